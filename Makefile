@@ -1,0 +1,28 @@
+# Two commands set up a fresh machine: `make serve` (serve the bundled default model on
+# 127.0.0.1:2242) and `make test`. Both create the virtual environment on first use.
+VENV ?= .venv
+PYTHON ?= python3
+# The CPU build of torch (on disk on our CI machines); set TORCH_SPEC=torch for a CUDA machine.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/paphos run $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check paphos tests benchmarks scripts

@@ -1,0 +1,317 @@
+"""Paphos vs llama.cpp serving on CPU, same GGUF, one server at a time.
+
+For each server in turn (never both at once: a small CPU box would measure the contention):
+start it as a subprocess, wait for it to answer, run
+
+- the serving client of `bench_serving.py` at each `--concurrency` level (unique prompts of
+  `--input-len` tokens, exactly `--output-len` output tokens each),
+- single-stream decode: one request at a time, `--decode-len` output tokens,
+  decode tok/s = (tokens - 1) / (E2E - TTFT), median over `--repeats`,
+- single-stream prefill: one request of `--prefill-len` prompt tokens and 1 output token,
+  prefill tok/s = prompt tokens / TTFT, median over `--repeats`,
+
+then stop it. Prints one comparison table and writes everything as JSON (`--out`).
+
+The peer is llama.cpp's own `llama-server` (`--peer llama-server`, the default when the binary is
+found): it batches concurrent requests (`--parallel` slots, continuous batching), accepts token-id
+prompts and `ignore_eos`, and sends usage in the stream. `--peer llama-cpp-python` runs
+`python -m llama_cpp.server` from `--peer-python` instead; that server takes one request at a time
+behind a lock (no batching), accepts only text prompts and has no `ignore_eos`, so it is driven
+with word prompts and an EOS ban by `logit_bias`; its concurrency > 1 rows then measure queueing.
+
+    python benchmarks/compare_llamacpp_cpu.py [--model GGUF] [--llama-server-bin PATH] \\
+        [--peer-python /work/peer-venv/bin/python] [--paphos-args "--max-model-len 2048"] --out cmp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import BenchConfig, format_table, json_safe, run_benchmark  # noqa: E402
+
+DEFAULT_LLAMA_SERVER = os.environ.get("LLAMA_SERVER_BIN", "/tmp/llama.cpp-src/build/bin/llama-server")
+DEFAULT_PEER_PYTHON = "/work/peer-venv/bin/python"
+
+
+@dataclass
+class Server:
+    name: str
+    cmd: list[str]
+    port: int
+    prompt_mode: str = "ids"
+    ban_eos_ids: tuple[int, ...] = ()
+    env: dict[str, str] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_model() -> str | None:
+    try:
+        from paphos.default_model import default_model_path
+
+        return str(default_model_path())
+    except Exception:  # noqa: BLE001 - any failure means "not available here"
+        return None
+
+
+def eos_ids_of(gguf_path: str) -> list[int]:
+    """EOS-like ids of a GGUF (for servers without `ignore_eos`): metadata ids and known end tokens."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    ids: set[int] = set()
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if key in reader.fields:
+            ids.add(int(reader.fields[key].contents()))
+    ends = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>", "<|end|>"}
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    ids.update(i for i, t in enumerate(tokens) if t in ends)
+    return sorted(ids)
+
+
+def wait_ready(server: Server, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with code {proc.returncode} before it was ready")
+        try:
+            health = httpx.get(f"{server.base_url}/health", timeout=2.0)
+            if health.status_code in (200, 404):
+                models = httpx.get(f"{server.base_url}/v1/models", timeout=2.0)
+                if models.status_code == 200 and models.json().get("data"):
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{server.name} not ready after {timeout_s:.0f}s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the server we started (its own process group, created by us) and wait for it."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+async def single_stream(cfg: BenchConfig, repeats: int) -> list[dict[str, Any]]:
+    runs = []
+    for i in range(repeats):
+        runs.append(
+            await run_benchmark(replace(cfg, num_prompts=1, max_concurrency=1, seed=cfg.seed + 101 * i))
+        )
+    return runs
+
+
+async def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    base = BenchConfig(
+        base_url=server.base_url,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prompt_mode=server.prompt_mode,
+        ban_eos_ids=list(server.ban_eos_ids),
+        warmup=1,
+        seed=args.seed,
+    )
+    result: dict[str, Any] = {"serving": {}}
+    for c in args.concurrency:
+        n = max(args.min_prompts, args.prompts_per_slot * c)
+        cfg = replace(base, num_prompts=n, max_concurrency=c, seed=args.seed + 1000 * c)
+        summary = await run_benchmark(cfg)
+        print(format_table(summary, f"{server.name} concurrency {c}"), flush=True)
+        result["serving"][str(c)] = summary
+
+    dec_cfg = replace(base, input_len=16, output_len=args.decode_len, seed=args.seed + 7)
+    dec = await single_stream(dec_cfg, args.repeats)
+    rates = [
+        (r["total_output_tokens"] - 1) / ((r["e2e_ms"]["mean"] - r["ttft_ms"]["mean"]) / 1e3)
+        for r in dec
+        if r["completed"] and r["total_output_tokens"] > 1
+    ]
+    result["decode_tok_s"] = statistics.median(rates) if rates else float("nan")
+    result["decode_runs"] = dec
+
+    pre_cfg = replace(base, input_len=args.prefill_len, output_len=1, seed=args.seed + 13)
+    pre = await single_stream(pre_cfg, args.repeats)
+    rates = [r["total_input_tokens"] / (r["ttft_ms"]["mean"] / 1e3) for r in pre if r["completed"]]
+    result["prefill_tok_s"] = statistics.median(rates) if rates else float("nan")
+    result["prefill_runs"] = pre
+    print(
+        f"{server.name}: decode {result['decode_tok_s']:.1f} tok/s, prefill {result['prefill_tok_s']:.1f} tok/s"
+    )
+    return result
+
+
+def run_server(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    log_path = log_dir / f"{server.name}.log"
+    print(f"starting {server.name}: {shlex.join(server.cmd)}  (log: {log_path})", flush=True)
+    with log_path.open("wb") as log:
+        env = {**os.environ, **(server.env or {})}
+        proc = subprocess.Popen(
+            server.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            t0 = time.monotonic()
+            wait_ready(server, proc, args.startup_timeout)
+            startup_s = time.monotonic() - t0
+            result = asyncio.run(measure(server, args))
+            result["startup_s"] = startup_s
+        finally:
+            stop(proc)
+    result["cmd"] = server.cmd
+    result["log"] = str(log_path)
+    return result
+
+
+def build_servers(args: argparse.Namespace, model: str) -> list[Server]:
+    servers = []
+    if not args.skip_paphos:
+        port = free_port()
+        cmd = [args.paphos_python, "-m", "paphos", "run", model, "--port", str(port)]
+        servers.append(Server("paphos", cmd + shlex.split(args.paphos_args), port))
+    if args.skip_peer:
+        return servers
+    port = free_port()
+    slots = max(args.concurrency)
+    if args.peer == "llama-server":
+        ctx = slots * args.ctx_per_slot
+        cmd = [
+            args.llama_server_bin, "-m", model, "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(ctx), "-np", str(slots), "--kv-unified", "-t", str(args.threads),
+            "-tb", str(args.threads), "--no-webui",
+        ]  # fmt: skip
+        servers.append(Server("llama-server", cmd + shlex.split(args.peer_args), port))
+    else:
+        cmd = [
+            args.peer_python, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--n_ctx", str(args.ctx_per_slot), "--n_threads", str(args.threads),
+            "--n_threads_batch", str(args.threads), "--interrupt_requests", "False",
+        ]  # fmt: skip
+        servers.append(
+            Server(
+                "llama-cpp-python",
+                cmd + shlex.split(args.peer_args),
+                port,
+                prompt_mode="words",
+                ban_eos_ids=tuple(eos_ids_of(model)),
+            )
+        )
+    return servers
+
+
+def comparison_table(results: dict[str, dict[str, Any]], concurrency: list[int]) -> str:
+    names = list(results)
+    rows: list[tuple[str, list[str]]] = []
+
+    def fmt(x: Any) -> str:
+        return "-" if x is None or (isinstance(x, float) and x != x) else f"{x:.1f}"
+
+    for c in concurrency:
+        for label, get in (
+            ("output tok/s", lambda s: s["output_throughput"]),
+            ("req/s", lambda s: s["request_throughput"]),
+            ("mean TTFT ms", lambda s: s["ttft_ms"]["mean"]),
+            ("mean TPOT ms", lambda s: s["tpot_ms"]["mean"]),
+            ("p99 ITL ms", lambda s: s["itl_ms"]["p99"]),
+            ("mean E2E ms", lambda s: s["e2e_ms"]["mean"]),
+        ):
+            rows.append((f"c={c:<3d} {label}", [fmt(get(results[n]["serving"][str(c)])) for n in names]))
+    rows.append(("single-stream decode tok/s", [fmt(results[n]["decode_tok_s"]) for n in names]))
+    rows.append(("single-stream prefill tok/s", [fmt(results[n]["prefill_tok_s"]) for n in names]))
+    rows.append(("startup s", [fmt(results[n].get("startup_s")) for n in names]))
+    width = max(len(r[0]) for r in rows) + 2
+    col = max(14, *(len(n) + 2 for n in names))
+    lines = [f"{'metric':<{width}}" + "".join(f"{n:>{col}}" for n in names)]
+    lines.append("-" * (width + col * len(names)))
+    lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF path (default: the bundled default model)")
+    ap.add_argument("--paphos-python", default=sys.executable, help="python that runs `-m paphos run`")
+    ap.add_argument("--paphos-args", default="--max-model-len 2048", help="extra flags for `paphos run`")
+    ap.add_argument("--peer", choices=("llama-server", "llama-cpp-python"), default=None)
+    ap.add_argument("--llama-server-bin", default=DEFAULT_LLAMA_SERVER)
+    ap.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="python with llama-cpp-python[server]")
+    ap.add_argument("--peer-args", default="", help="extra flags for the peer server")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--ctx-per-slot", type=int, default=1024)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompts-per-slot", type=int, default=2, help="requests per level = this x concurrency")
+    ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--decode-len", type=int, default=128)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--skip-paphos", action="store_true")
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--log-dir", default="/tmp/paphos-compare-logs", help="server logs go here")
+    ap.add_argument("--out", default=None, help="write all results as JSON here")
+    args = ap.parse_args(argv)
+
+    model = args.model or default_model()
+    if not model:
+        raise SystemExit("no --model given and paphos.default_model is not importable")
+    if args.peer is None:
+        args.peer = "llama-server" if Path(args.llama_server_bin).exists() else "llama-cpp-python"
+    if args.ctx_per_slot < args.prefill_len + 8 or args.ctx_per_slot < args.input_len + args.output_len:
+        raise SystemExit("--ctx-per-slot is too small for the prompt and output lengths")
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, dict[str, Any]] = {}
+    for server in build_servers(args, model):
+        try:
+            results[server.name] = run_server(server, args, log_dir)
+        except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+            print(f"{server.name} failed: {exc} (see {log_dir / (server.name + '.log')})", file=sys.stderr)
+    if not results:
+        return 1
+    print()
+    print(
+        f"model {Path(model).name}, {args.input_len} prompt / {args.output_len} output tokens, {args.threads} threads"
+    )
+    print(comparison_table(results, args.concurrency))
+    if args.out:
+        payload = {"model": model, "args": vars(args), "results": results}
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(json_safe(payload), f, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

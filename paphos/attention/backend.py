@@ -1,0 +1,65 @@
+"""The attention backend protocol: the one seam between model code and attention kernels.
+
+Data flow: request -> scheduler -> model runner (builds `AttentionMetadata`) -> model -> each
+attention layer calls `backend.forward(...)` with this step's projected q/k/v. The backend stores
+the new K/V in the layer's paged cache and attends every query row over its sequence's context,
+reading the context through the block table. Models never touch the cache layout themselves, so
+a Triton backend can replace the torch reference without a model change.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from paphos.attention.metadata import AttentionMetadata
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Paged causal attention over one flat batch of decode rows and prefill chunks.
+
+    Shapes: q [T, Hq, D]; k, v [T, Hkv, D] with Hq % Hkv == 0 (kv head j serves query heads
+    j*G .. j*G+G-1, G = Hq // Hkv, as HF `repeat_kv` does); kv_cache
+    [num_blocks, 2, block_size, Hkv, D] (index 0 on dim 1 holds K, index 1 holds V).
+
+    Semantics every backend must match:
+      * first write k/v into kv_cache at `metadata.slot_mapping` (slot = block * block_size + offset);
+      * query row j of sequence i sits at position p = seq_lens[i] - query_len_i + j and attends
+        the keys at positions t of that sequence with t <= p and, when `sliding_window` is set,
+        t > p - sliding_window (the HF convention: the last `sliding_window` tokens, itself
+        included);
+      * scores are `scale * q.k`, then `cap * tanh(score / cap)` when `logits_soft_cap` is set,
+        softmax in fp32; the output has q's dtype, shape [T, Hq, D].
+    """
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor: ...
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's K/V rows ([T, Hkv, D]) into the paged cache at their slots, in place.
+
+    Padding rows (e.g. of a captured graph) should point at a slot of the reserved null block 0;
+    that block is never read as context, so no masking is needed here.
+    """
+    block_size = kv_cache.shape[2]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    # kv_cache[:, 0] is a strided view, so index_put on it writes straight into the cache.
+    kv_cache[:, 0][blocks, offsets] = k.to(kv_cache.dtype)
+    kv_cache[:, 1][blocks, offsets] = v.to(kv_cache.dtype)

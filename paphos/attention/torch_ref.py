@@ -1,0 +1,253 @@
+"""TorchReferenceBackend: paged attention in plain PyTorch, on any device.
+
+Data flow: model runner -> model -> attention layer -> here. Two jobs:
+  * the oracle that Triton kernels are tested against, so every step is a readable tensor op;
+  * the CPU serving path, so nothing loops per token in Python. Per step (the plan is built once
+    from the host copies in `AttentionMetadata` and reused by every layer):
+      - decode rows (query_len 1) are attended together: their contexts are gathered from the
+        block tables into a padded [B, L, Hkv, D] tensor with a length mask, then two batched
+        matmuls grouped by KV head (no K/V duplication for GQA);
+      - prefill chunks are attended one sequence at a time with
+        `torch.nn.functional.scaled_dot_product_attention` (or the matmul path when soft-capping).
+All score/softmax/value math runs in fp32 whatever the cache dtype; the result is cast back.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from paphos.attention.backend import write_kv_cache
+from paphos.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor  # long [b]: query rows in the flat batch
+    seq_lens: torch.Tensor  # long [b]
+    block_tables: torch.Tensor  # long [b, num_blocks] (trimmed to the longest context)
+
+
+@dataclass
+class _Prefill:
+    start: int  # first query row
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # long [ceil(seq_len / block_size)]
+
+
+@dataclass
+class _Plan:
+    decode_groups: list[_DecodeGroup]
+    prefills: list[_Prefill]
+
+
+class TorchReferenceBackend:
+    name = "torch_ref"
+
+    def __init__(self, max_decode_gather_tokens: int = 32768) -> None:
+        # Bounds the padded decode gather (B * max context tokens) so a large batch of long
+        # chats does not materialise its whole KV history at once; groups are formed over
+        # sequences sorted by length, so padding inside a group stays small.
+        self.max_decode_gather_tokens = max_decode_gather_tokens
+        self._plan_key: tuple[weakref.ref[AttentionMetadata], torch.Tensor, list[int], list[int]] | None = (
+            None
+        )
+        self._plan: _Plan | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        plan = self._get_plan(metadata, kv_cache.shape[2])
+        out = torch.empty_like(q)
+        for group in plan.decode_groups:
+            out[group.rows] = self._decode(q, kv_cache, group, scale, sliding_window, logits_soft_cap)
+        for p in plan.prefills:
+            out[p.start : p.end] = self._prefill(q, k, v, kv_cache, p, scale, sliding_window, logits_soft_cap)
+        return out
+
+    # ---------------------------------------------------------------- planning (host side, once a step)
+
+    def _get_plan(self, md: AttentionMetadata, block_size: int) -> _Plan:
+        # Every layer receives the same metadata object; building the plan once per step keeps
+        # the per-layer Python cost independent of the number of sequences. The list compares
+        # guard against a runner that refills one metadata object in place between steps.
+        key = self._plan_key
+        if (
+            key is not None
+            and self._plan is not None
+            and key[0]() is md
+            and key[1] is md.block_tables
+            and key[2] == md.query_start_loc_cpu
+            and key[3] == md.seq_lens_cpu
+        ):
+            return self._plan
+        plan = self._build_plan(md, block_size)
+        self._plan_key = (
+            weakref.ref(md),
+            md.block_tables,
+            list(md.query_start_loc_cpu),
+            list(md.seq_lens_cpu),
+        )
+        self._plan = plan
+        return plan
+
+    def _build_plan(self, md: AttentionMetadata, block_size: int) -> _Plan:
+        qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        decode: list[int] = []
+        prefills: list[_Prefill] = []
+        for i, seq_len in enumerate(seq_lens):
+            start, end = qsl[i], qsl[i + 1]
+            if end - start == 1:
+                decode.append(i)
+            elif end > start:
+                blocks = md.block_tables[i, : math.ceil(seq_len / block_size)].long()
+                prefills.append(_Prefill(start, end, seq_len, blocks))
+
+        groups: list[_DecodeGroup] = []
+        decode.sort(key=lambda i: seq_lens[i], reverse=True)
+        device = md.block_tables.device
+        i = 0
+        while i < len(decode):
+            max_len = seq_lens[decode[i]]
+            size = max(1, self.max_decode_gather_tokens // max(max_len, 1))
+            members = decode[i : i + size]
+            i += size
+            idx = torch.tensor(members, dtype=torch.long, device=device)
+            num_blocks = math.ceil(max_len / block_size)
+            groups.append(
+                _DecodeGroup(
+                    rows=torch.tensor([qsl[s] for s in members], dtype=torch.long, device=device),
+                    seq_lens=torch.tensor([seq_lens[s] for s in members], dtype=torch.long, device=device),
+                    # int64 indices gather measurably faster than int32 on CPU.
+                    block_tables=md.block_tables[idx, :num_blocks].long(),
+                )
+            )
+        return _Plan(groups, prefills)
+
+    # ---------------------------------------------------------------- decode rows, batched
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        g: _DecodeGroup,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+    ) -> torch.Tensor:
+        b = g.rows.numel()
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        length = g.block_tables.shape[1] * block_size
+        # Gathering K and V separately yields contiguous [b, blocks, block_size, Hkv, D] tensors,
+        # so flattening blocks into one token axis is a free view.
+        keys = kv_cache[:, 0][g.block_tables].view(b, length, num_kv_heads, head_dim)
+        values = kv_cache[:, 1][g.block_tables].view(b, length, num_kv_heads, head_dim)
+
+        pos = torch.arange(length, device=q.device)
+        valid = pos[None, :] < g.seq_lens[:, None]
+        if sliding_window is not None:
+            # The query sits at position seq_len - 1 and sees the keys after p - window.
+            valid &= pos[None, :] > (g.seq_lens[:, None] - 1 - sliding_window)
+
+        qd = q[g.rows].unsqueeze(2)  # [b, Hq, 1, D]
+        mask = valid[:, None, None, :]  # [b, 1, Lq=1, L]
+        out = _attend(qd, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, soft_cap)
+        return out.squeeze(2).to(q.dtype)
+
+    # ---------------------------------------------------------------- prefill chunks, per sequence
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        p: _Prefill,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+    ) -> torch.Tensor:
+        q_len, ctx_len = p.end - p.start, p.seq_len
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if q_len == ctx_len and kv_cache.dtype == k.dtype:
+            # Whole context is this chunk: the cache holds exactly these rows, skip the gather.
+            keys, values = k[p.start : p.end], v[p.start : p.end]
+        else:
+            keys = kv_cache[:, 0][p.blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]
+            values = kv_cache[:, 1][p.blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]
+
+        qh = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        kh = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        vh = values.transpose(0, 1).unsqueeze(0)
+
+        mask = None
+        if q_len != ctx_len or sliding_window is not None:
+            # Query row j sits at position ctx_len - q_len + j (the chunk ends the context).
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            k_pos = torch.arange(ctx_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            mask = mask[None, None]
+        out = _attend(qh, kh, vh, mask, scale, soft_cap)
+        return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """q [b, Hq, Lq, D], k/v [b, Hkv, L, D], mask bool [b or 1, 1, Lq, L] (True = attend) or
+    None for a square causal mask. Returns fp32 [b, Hq, Lq, D].
+
+    Inputs are upcast to fp32 first: it is the oracle's precision, and on CPUs without bf16
+    matrix units the fp32 kernels are also faster than the bf16 ones (measured ~2x on decode).
+    """
+    q, k, v = q.float(), k.float(), v.float()
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    if mask is None:
+        q_len, ctx_len = q.shape[2], k.shape[2]
+        mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril()[None, None]
+    return _softcapped_attention(q, k, v, mask, scale, soft_cap)
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, soft_cap: float
+) -> torch.Tensor:
+    """Attention with tanh soft-capped scores (SDPA has no hook for it); fp32 inputs.
+
+    Query heads are grouped as [Hkv, G * Lq] so each KV head is read once, not repeated G times,
+    and both products stay plain 4-D batched matmuls.
+    """
+    b, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, ctx_len = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(b, num_kv_heads, group * q_len, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [b, Hkv, G*Lq, L]
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.view(b, num_kv_heads, group, q_len, ctx_len).masked_fill(
+        ~mask.unsqueeze(1), float("-inf")
+    )
+    probs = torch.softmax(scores, dim=-1).view(b, num_kv_heads, group * q_len, ctx_len)
+    return torch.matmul(probs, v).view(b, num_heads, q_len, head_dim)

@@ -1,0 +1,276 @@
+"""`paphos run|serve [MODEL] [flags]`: command line -> validated configs -> engine + HTTP server.
+
+The edge of the system (design.md §2): flags (Aphrodite's names, contract §1), optionally a flat
+YAML file (`--config`, explicit flags win), become EngineConfig/ServerConfig; a ConfigError exits
+with status 2 and a message naming the flag. Then an AsyncEngine (not yet loaded) and the FastAPI
+app are built and uvicorn serves; the model loads in the background while /health says 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from paphos.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_SUFFIXES = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
+
+
+def parse_max_model_len(value: str | int | None) -> int | None:
+    """`32k` = 32000, `32K` = 32768, `-1` / `auto` = let the engine choose (None)."""
+    if value is None or isinstance(value, int):
+        return None if value in (None, -1) else value
+    text = value.strip()
+    if text.lower() == "auto" or text == "-1":
+        return None
+    factor = 1
+    if text and text[-1] in _SUFFIXES:
+        factor, text = _SUFFIXES[text[-1]], text[:-1]
+    try:
+        number = float(text) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a length like 4096, 32k, 32K, -1 or auto, got {value!r}") from None
+    if not number.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {value!r}")
+    return int(number)
+
+
+def parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _spellings(*flags: str) -> list[str]:
+    """Every long flag also under its underscore spelling (contract §1.1: `-` or `_`)."""
+    names: list[str] = []
+    for flag in flags:
+        names.append(flag)
+        if flag.startswith("--") and "-" in flag[2:]:
+            names.append("--" + flag[2:].replace("-", "_"))
+    return names
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Lists each flag once, in its dashed spelling (the underscore twins still parse)."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        shown = [o for o in action.option_strings if "_" not in o]
+        saved = action.option_strings
+        action.option_strings = shown or saved
+        try:
+            return super()._format_action_invocation(action)
+        finally:
+            action.option_strings = saved
+
+
+def _add(group: Any, *flags: str, **kwargs: Any) -> None:
+    group.add_argument(*_spellings(*flags), **kwargs)
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="model to serve (overrides --model); "
+                        "default: the bundled SmolLM2-135M-Instruct GGUF")
+    parser.add_argument("--config", metavar="FILE.yaml", help="flat YAML map of flags (`port: 2242`); explicit flags win")
+    srv = parser.add_argument_group("server")
+    _add(srv, "--host", default="127.0.0.1",
+         help="address to bind (default 127.0.0.1: this machine only; --host 0.0.0.0 exposes the server on every "
+              "network interface - a deliberate difference from Aphrodite)")
+    _add(srv, "--port", type=int, default=2242, help="port (default 2242, as Aphrodite)")
+    _add(srv, "--served-model-name", nargs="+", metavar="NAME",
+         help="names accepted in `model`; the first is echoed in responses (default: the model path)")
+    _add(srv, "--uvicorn-log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)")
+    _add(srv, "--disable-log-requests", action="store_true", help="do not log each request")
+    _add(srv, "--return-tokens-as-token-ids", action="store_true",
+         help="spell logprob tokens as `token_id:N` (for tokens that are not valid text)")
+    mdl = parser.add_argument_group("model")
+    _add(mdl, "--model", help="HF-style directory, .gguf file (or first shard) or repo id")
+    _add(mdl, "--tokenizer", help="tokenizer location (default: the model's)")
+    _add(mdl, "--dtype", default="auto", help=f"weight/activation dtype: {', '.join(DTYPES)} (default auto)")
+    _add(mdl, "--max-model-len", type=parse_max_model_len, default=None, metavar="LEN",
+         help="context length: 4096, 32k (=32000), 32K (=32768), -1 or auto (default: from the model config)")
+    _add(mdl, "--load-format", default="auto", help=f"{', '.join(LOAD_FORMATS)} (default auto)")
+    _add(mdl, "--seed", type=int, default=0, help="global seed (default 0)")
+    _add(mdl, "--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask (default 20)")
+    _add(mdl, "--device", default="auto", help="cuda, cpu or auto (default auto: cuda when available)")
+    _add(mdl, "--chat-template", metavar="TEMPLATE",
+         help="Jinja chat template, or a path to a file holding one (default: the tokenizer's)")
+    _add(mdl, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    cache = parser.add_argument_group("KV cache")
+    _add(cache, "--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    _add(cache, "--enable-prefix-caching", "--context-shift", dest="enable_prefix_caching", type=parse_bool,
+         nargs="?", const=True, default=True, metavar="BOOL",
+         help="reuse KV blocks of identical prompt prefixes (default on; --context-shift is a deprecated alias)")
+    _add(cache, "--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+         help="turn prefix caching off")
+    _add(cache, "--gpu-memory-utilization", "-gmu", type=float, default=0.92, metavar="FRACTION",
+         help="fraction of GPU memory for weights, activations and KV cache (default 0.92)")
+    _add(cache, "--kv-cache-dtype", default="auto", help=f"{', '.join(KV_CACHE_DTYPES)} (default auto)")
+    _add(cache, "--cpu-kv-cache-gb", type=float, default=4.0, metavar="GIB",
+         help="KV cache budget in GiB when running on CPU (default 4)")
+    _add(cache, "--num-gpu-blocks-override", type=int, default=None, metavar="N",
+         help="force the number of KV blocks (tests, benchmarks)")
+    sched = parser.add_argument_group("scheduler")
+    _add(sched, "--max-num-seqs", type=int, default=256, help="sequences per step (default 256)")
+    _add(sched, "--max-num-batched-tokens", type=int, default=None, metavar="N",
+         help="tokens per step (default 2048 with chunked prefill, else max(max-model-len, 2048))")
+    _add(sched, "--enable-chunked-prefill", type=parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
+         help="split long prompts over several steps (default true)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paphos", description="Paphos LLM server (Aphrodite-compatible).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,serve}")
+    run = commands.add_parser(
+        "run", aliases=["serve"], help="start the OpenAI-compatible server",
+        formatter_class=_HelpFormatter,
+        description="Start the OpenAI-compatible HTTP server. Every flag accepts - or _ (e.g. --max-model-len "
+                    "or --max_model_len).",
+    )
+    _add_run_flags(run)
+    return parser
+
+
+def _flag_dests(parser: argparse.ArgumentParser) -> dict[str, str]:
+    dests = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            dests[option.lstrip("-").replace("-", "_")] = action.dest
+    dests["model"] = "model"
+    return dests
+
+
+def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a flat map of flags (`port: 2242`)")
+    dests = _flag_dests(parser)
+    defaults: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = dests.get(str(key).replace("-", "_"))
+        if dest is None or dest in ("config", "help"):
+            raise ConfigError(f"--config: unknown flag {key!r} in {path}")
+        if dest == "served_model_name" and isinstance(value, str):
+            value = [value]
+        defaults[dest] = value
+    return defaults
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        run_parser = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+        run_parser.set_defaults(**_yaml_defaults(args.config, run_parser))
+        args = parser.parse_args(argv)  # again, so explicit flags win over the file
+    return args
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """Namespace -> validated configs; raises ConfigError naming the flag."""
+    model = args.model_positional or args.model
+    if not model:
+        from paphos.default_model import default_model_path
+
+        model = str(default_model_path())
+    max_model_len = parse_max_model_len(args.max_model_len)
+    batched = args.max_num_batched_tokens
+    if batched is None:
+        batched = 2048 if args.enable_chunked_prefill else max(max_model_len or 2048, 2048)
+    model_config = ModelConfig(
+        model=model, tokenizer=args.tokenizer, served_model_name=tuple(args.served_model_name or ()),
+        dtype=args.dtype, max_model_len=max_model_len, load_format=args.load_format, seed=args.seed,
+        chat_template=_chat_template(args.chat_template), max_logprobs=args.max_logprobs, device=args.device,
+        enforce_eager=args.enforce_eager,
+    )
+    cache = CacheConfig(
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+        cpu_kv_cache_gb=args.cpu_kv_cache_gb, num_gpu_blocks_override=args.num_gpu_blocks_override,
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
+        enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_model_len or 2048,
+    )
+    server = ServerConfig(
+        host=args.host, port=args.port, uvicorn_log_level=args.uvicorn_log_level,
+        disable_log_requests=args.disable_log_requests, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+    )
+    return EngineConfig(model=model_config, cache=cache, scheduler=scheduler), server
+
+
+def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    import uvicorn
+
+    from paphos.engine.async_engine import AsyncEngine
+    from paphos.server.app import build_app
+
+    engine = AsyncEngine(engine_config)
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_failure(exc: BaseException) -> None:
+        # A model that cannot load leaves nothing to serve: stop with a non-zero status.
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(engine, server_config, engine_config.model.served_names, on_engine_failure=on_failure)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=server_config.host, port=server_config.port, log_level=server_config.uvicorn_log_level,
+    ))
+    server.run()
+    if failed:
+        print(f"paphos: error: the model failed to load: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        engine_config, server_config = build_configs(args)
+    except ConfigError as exc:
+        print(f"paphos: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _serve(engine_config, server_config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

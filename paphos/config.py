@@ -1,0 +1,145 @@
+"""Engine configuration: frozen dataclasses validated once, at the edge (CLI or `paphos.LLM`).
+
+Every component takes only the sub-config it uses. Values that depend on the model (for example
+`max_model_len` when the user gives none) are resolved by the loader and written back with
+`dataclasses.replace`, so a config object is never mutated after validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag at fault."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    served_model_name: tuple[str, ...] = ()
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    chat_template: str | None = None
+    max_logprobs: int = 20
+    device: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.served_model_name or (self.model,)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.92
+    kv_cache_dtype: str = "auto"
+    # KV budget when the cache lives in host memory (the CPU path): GiB for all layers together.
+    cpu_kv_cache_gb: float = 4.0
+    # Forces the number of KV blocks (tests, benchmarks); None sizes the cache from the budget.
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.cpu_kv_cache_gb <= 0:
+            raise ConfigError(f"--cpu-kv-cache-gb must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError("--num-gpu-blocks-override must be >= 2 (block 0 is reserved)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    # Filled in from the model once it is known; the scheduler reads it for length checks.
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "--max-num-batched-tokens must be >= --max-model-len when chunked prefill is off "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError("--tensor-parallel-size > 1 is not supported yet")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 2242
+    uvicorn_log_level: str = "info"
+    disable_log_requests: bool = False
+    return_tokens_as_token_ids: bool = False
+    # Upper bound on n / best_of per request: a guard against one request occupying the engine.
+    max_n: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """The config once the model's context length is known (resolved by the loader)."""
+        batched = self.scheduler.max_num_batched_tokens
+        if not self.scheduler.enable_chunked_prefill:
+            batched = max(batched, max_model_len)
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, max_model_len=max_model_len),
+            scheduler=dataclasses.replace(
+                self.scheduler, max_model_len=max_model_len, max_num_batched_tokens=batched
+            ),
+        )

@@ -1,0 +1,333 @@
+"""Scheduler: decides, every step, how many tokens of which request the model computes.
+
+Data flow (design.md §2): the engine adds `Request`s; `schedule()` returns a `SchedulerOutput`
+for the model runner; the runner returns a `ModelRunnerOutput`; `update_from_output()` appends the
+sampled tokens, checks stops, frees finished requests' blocks and returns `EngineOutput`s for the
+detokenizer. Request state changes only here.
+
+There is no prefill or decode phase: each request has `num_computed_tokens` and `num_tokens`, and
+each step hands out token counts under `max_num_batched_tokens` and `max_num_seqs` so that
+computed catches up with total. Running requests go first, in admission order (decode rows and
+prefill chunks share the step); then waiting requests are admitted first come, first served.
+When blocks run out, the newest running request is preempted by recompute: it gives back its
+blocks, keeps its output, and re-enters the waiting queue at the front.
+
+Calling contract for the engine loop (single-threaded, no reentrancy):
+    out = scheduler.schedule()
+    runner_out = runner.execute(out)        # also when out.is_empty: it drops finished ids
+    engine_outputs = scheduler.update_from_output(out, runner_out)
+`finish_requests` (abort, stop strings) may be called between steps.
+
+Requests that can never run (prompt longer than max_model_len, or needing more KV blocks than
+the whole pool has) are finished as FINISHED_ABORTED on `add_request` and reported by the next
+`update_from_output` (an EngineOutput with finish_reason "abort"); the reason is logged. A
+request may also stop with "length" when it would outgrow the whole pool (only possible when the
+pool holds fewer tokens than max_model_len; a warning is logged at start).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from paphos.config import CacheConfig, SchedulerConfig
+from paphos.core.kv_cache_manager import KVCacheManager
+from paphos.core.request_queue import RequestQueue
+from paphos.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from paphos.outputs import EngineOutput
+from paphos.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        pool_tokens = self.kv_cache_manager.max_tokens_in_pool
+        if pool_tokens < self.max_model_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: one sequence alone "
+                "cannot reach max_model_len and stops with 'length' at %d tokens",
+                pool_tokens,
+                self.max_model_len,
+                pool_tokens,
+            )
+        # A running request stops at this many tokens: beyond it, it could not be scheduled even
+        # with the whole pool to itself (and preempting itself forever would be a livelock).
+        self.max_seq_len = min(self.max_model_len, pool_tokens)
+
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting = RequestQueue()
+        self.running: list[Request] = []  # admission order: the last is preempted first
+        # Finished since the last schedule(): the runner drops their state.
+        self._finished_req_ids: set[str] = set()
+        # Outputs of requests the scheduler finished on its own (rejected at add_request).
+        self._pending_outputs: list[EngineOutput] = []
+        # Prompt positions whose logprobs were already reported (1..n); a request recomputed
+        # after preemption scores its prompt again, and those duplicates are dropped.
+        self._prompt_logprobs_sent: dict[str, int] = {}
+        self.num_preemptions_total = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        reason = None
+        if request.num_tokens > self.max_model_len:
+            reason = f"prompt has {request.num_tokens} tokens, max_model_len is {self.max_model_len}"
+        elif request.num_tokens > self.kv_cache_manager.max_tokens_in_pool:
+            reason = (
+                f"prompt has {request.num_tokens} tokens, the whole KV cache holds "
+                f"{self.kv_cache_manager.max_tokens_in_pool}"
+            )
+        if reason is not None:
+            logger.warning("request %s rejected: %s", request.request_id, reason)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._pending_outputs.append(
+                EngineOutput(request.request_id, [], [], finish_reason=request.status.finish_reason)
+            )
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string found by the detokenizer) and free
+        their blocks now. Unknown or already finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        ids = {req_ids} if isinstance(req_ids, str) else set(req_ids)
+        to_finish = [self.requests[i] for i in ids if i in self.requests]
+        if not to_finish:
+            return
+        for req in to_finish:
+            self._finish(req, status)
+        self.running = [r for r in self.running if not r.is_finished]
+        self.waiting.remove(r.request_id for r in to_finish)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self._prompt_logprobs_sent.pop(req.request_id, None)
+        self._finished_req_ids.add(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: blocks back to the pool, output kept, front of the queue."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(req)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequestData] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first. Preemption takes the newest, which is always at or
+        # after the current index, so nothing already scheduled this step is ever preempted.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new <= 0 or (not self.enable_chunked_prefill and num_new > budget):
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            new_blocks = kv.allocate_slots(req, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                new_blocks = kv.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break  # the request preempted itself: everything after it is gone too
+            cached_reqs.append(
+                CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
+            )
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS (a blocked head blocks the rest: no starvation of long
+        # prompts). Skipped after a preemption: blocks are short, and the runner must never see
+        # the same id preempted and new in one step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hits, num_hit_tokens = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.pop()
+            kv.record_prefix_cache_query(req, num_hit_tokens)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens
+            req.num_cached_tokens = num_hit_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=kv.get_block_ids(req.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self._finished_req_ids = set()
+        return out
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None
+    ) -> list[EngineOutput]:
+        """Apply one executed step. `model_runner_output` may be None for an empty step."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        mro = model_runner_output or ModelRunnerOutput([], [], [])
+        row = {req_id: j for j, req_id in enumerate(mro.req_ids)}
+        any_finished = False
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished (aborted) after this step was scheduled
+            start = req.num_computed_tokens
+            req.num_computed_tokens += num_tokens
+            j = row.get(req_id)
+            sampled = mro.sampled_token_ids[j] if j is not None else []
+            new_tokens: list[int] = []
+            status: RequestStatus | None = None
+            for token in sampled:
+                req.append_output_token_ids([token])
+                new_tokens.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break  # tokens after a stop (speculative decoding, later) are dropped
+            prompt_lps = self._new_prompt_logprobs(req, start, mro.prompt_logprobs.get(req_id))
+            if status is not None:
+                self._finish(req, status)
+                any_finished = True
+            if not (new_tokens or status is not None or prompt_lps):
+                continue
+            n = len(new_tokens)
+            logprobs = mro.logprobs.get(req_id)
+            outputs.append(
+                EngineOutput(
+                    req_id=req_id,
+                    new_token_ids=new_tokens,
+                    new_sampled_logprobs=list(mro.sampled_logprobs[j][:n]) if j is not None else [],
+                    new_logprobs=logprobs[:n] if logprobs is not None else None,
+                    new_prompt_logprobs=prompt_lps,
+                    finish_reason=status.finish_reason if status is not None else None,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """Stop checks for one appended token: EOS, then stop token ids, then length."""
+        sp = req.sampling_params
+        # The sampler masks EOS and stop ids while output < min_tokens, so the first token that
+        # may stop is number min_tokens + 1; this check is the backstop for the same rule.
+        if req.num_output_tokens > sp.min_tokens:
+            if not sp.ignore_eos and (token == req.eos_token_id or token in sp.extra_eos_token_ids):
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _new_prompt_logprobs(
+        self, req: Request, start: int, entries: list[TokenLogprobs] | None
+    ) -> list[TokenLogprobs] | None:
+        """Entries of a chunk that computed tokens start.. cover prompt positions start+1..; keep
+        only positions not reported before (a recompute after preemption repeats them)."""
+        if not entries:
+            return None
+        sent = self._prompt_logprobs_sent.get(req.request_id, 0)
+        skip = max(0, sent - start)
+        self._prompt_logprobs_sent[req.request_id] = max(sent, start + len(entries))
+        return entries[skip:] or None
+
+    # ---- state for the engine and metrics ------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is unfinished or a rejection is still to be reported."""
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.block_pool.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.block_pool.prefix_cache_hits
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def num_used_blocks(self) -> int:
+        pool = self.kv_cache_manager.block_pool
+        return pool.num_blocks - 1 - pool.num_free_blocks

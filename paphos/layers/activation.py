@@ -1,0 +1,15 @@
+"""Gated activations applied to the output of a merged gate_up projection (model MLP -> here)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """x = [gate | up] on the last axis -> silu(gate) * up (SwiGLU, Llama-family MLPs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

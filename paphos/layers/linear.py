@@ -1,0 +1,160 @@
+"""Linear layers with a quantization hook.
+
+Data flow: model -> layer.forward(x) -> layer.quant_method.apply(layer, x, bias). The layer owns
+shapes, shard layout and checkpoint loading; the quant method owns the parameters that hold the
+weight and the matmul. So one model file runs unquantized, GGUF, GPTQ, AWQ, EXL2 or FP8 weights by
+handing each layer a different method (via a `QuantConfig`), and LoRA can wrap `apply`.
+
+Merged layers (`QKVLinear`, `MergedColumnLinear`) hold several checkpoint tensors side by side on
+the output dimension so one GEMM replaces two or three; `weight_loader(param, loaded, shard_id)`
+copies one checkpoint tensor into its slice.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paphos.layers.weights import copy_checked
+
+
+class LinearMethod(Protocol):
+    def create_weights(
+        self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype
+    ) -> None:
+        """Register the parameters holding the weight on `layer`, each with a `weight_loader`
+        attribute and, where the output dimension is sharded by merged layers, `output_dim`."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size]."""
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Repack once after every shard is loaded (e.g. into a faster kernel's layout)."""
+
+
+class QuantConfig(Protocol):
+    """Chooses the linear method of each layer by its module path (e.g.
+    'model.layers.3.self_attn.qkv_proj'); None means unquantized."""
+
+    def get_linear_method(self, prefix: str) -> LinearMethod | None: ...
+
+
+class UnquantizedLinearMethod:
+    def create_weights(
+        self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype
+    ) -> None:
+        weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
+        weight.output_dim = 0  # type: ignore[attr-defined]
+        weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        return None
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b), with W laid out as the concatenation of `output_sizes` shards."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__()
+        params_dtype = params_dtype or torch.get_default_dtype()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.output_size = sum(output_sizes)
+        self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, self.output_size, params_dtype)
+        if bias:
+            # Biases stay unquantized in every format we support.
+            b = nn.Parameter(torch.empty(self.output_size, dtype=params_dtype), requires_grad=False)
+            b.output_dim = 0  # type: ignore[attr-defined]
+            b.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            self.bias = b
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def shard_index(self, shard_id: object) -> int:
+        raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None:
+            copy_checked(param.data, loaded)
+            return
+        index = self.shard_index(shard_id)
+        dim = getattr(param, "output_dim", 0)
+        # Slice proportionally: a packed or grouped parameter (e.g. 8 int4 per int32 on the output
+        # axis) keeps each shard's share of the output dimension.
+        n = param.shape[dim]
+        start = sum(self.output_sizes[:index]) * n // self.output_size
+        length = self.output_sizes[index] * n // self.output_size
+        copy_checked(param.data.narrow(dim, start, length), loaded)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}"
+
+
+class Linear(LinearBase):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__(input_size, [output_size], bias, params_dtype, quant_method)
+
+
+class MergedColumnLinear(LinearBase):
+    """Several projections of the same input stacked on the output axis; shard ids are 0, 1, ...
+    (e.g. gate_proj -> 0, up_proj -> 1)."""
+
+    def shard_index(self, shard_id: object) -> int:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        return shard_id
+
+
+class QKVLinear(LinearBase):
+    """Fused q/k/v projection: output [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]; shard ids 'q','k','v'."""
+
+    SHARDS = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(
+            hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, params_dtype, quant_method
+        )
+
+    def shard_index(self, shard_id: object) -> int:
+        if shard_id not in self.SHARDS:
+            raise ValueError(f"shard id must be one of {self.SHARDS}, got {shard_id!r}")
+        return self.SHARDS.index(shard_id)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

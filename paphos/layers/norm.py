@@ -1,0 +1,41 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
+
+Data flow: model decoder layer -> norm. Arithmetic follows HF Llama exactly (residual add in the
+model dtype, normalisation in fp32, cast back, then scale by the weight in the model dtype), so
+bf16 logits match HF, not just fp32 ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paphos.layers.weights import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
+        )
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s), s
+        being the residual stream the next block adds into."""
+        if residual is None:
+            return self._norm(x)
+        s = x + residual
+        return self._norm(s), s
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

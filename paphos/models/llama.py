@@ -1,0 +1,287 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM, and Qwen2 via `qwen2.py`).
+
+Data flow: model runner -> LlamaForCausalLM.forward(input_ids [T], positions [T], kv_caches,
+AttentionMetadata) over one flat batch of decode rows and prefill chunks -> hidden [T, H];
+the runner selects the rows that sample -> compute_logits -> sampler. Attention goes through the
+injected `AttentionBackend`, which owns the paged cache layout; this file never indexes the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paphos.attention.backend import AttentionBackend
+from paphos.attention.metadata import AttentionMetadata
+from paphos.layers.activation import SiluAndMul
+from paphos.layers.embedding import LMHead, VocabEmbedding
+from paphos.layers.linear import Linear, LinearBase, LinearMethod, MergedColumnLinear, QKVLinear, QuantConfig
+from paphos.layers.norm import RMSNorm
+from paphos.layers.rotary import RotaryEmbedding
+from paphos.layers.weights import ShapeMismatchError, default_weight_loader
+from paphos.models import hf_config
+from paphos.models.errors import UnsupportedModelError, WeightLoadError
+
+
+def _method(quant_config: QuantConfig | None, prefix: str) -> LinearMethod | None:
+    return quant_config.get_linear_method(prefix) if quant_config is not None else None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        quant_config: QuantConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = hf_config.num_kv_heads(config)
+        self.head_dim = hf_config.head_dim(config)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = hf_config.layer_sliding_window(config, layer_idx)
+        self.backend = backend
+        # One cos/sin table shared by all layers (registered in each; parameters/buffers dedupe).
+        self.rotary_emb = rotary_emb
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias, dtype,
+            _method(quant_config, f"{prefix}.qkv_proj"),
+        )  # fmt: skip
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            o_bias,
+            dtype,
+            _method(quant_config, f"{prefix}.o_proj"),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, config: Any, dtype: torch.dtype, bias: bool, quant_config: QuantConfig | None, prefix: str
+    ) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported by the Llama MLP (only 'silu')")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, [inter, inter], bias, dtype, _method(quant_config, f"{prefix}.gate_up_proj")
+        )
+        self.down_proj = Linear(
+            inter, config.hidden_size, bias, dtype, _method(quant_config, f"{prefix}.down_proj")
+        )
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        biases: tuple[bool, bool, bool],
+        quant_config: QuantConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        qkv_bias, o_bias, mlp_bias = biases
+        self.self_attn = LlamaAttention(
+            config,
+            layer_idx,
+            dtype,
+            backend,
+            rotary_emb,
+            qkv_bias,
+            o_bias,
+            quant_config,
+            f"{prefix}.self_attn",
+        )
+        self.mlp = LlamaMLP(config, dtype, mlp_bias, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of the previous block is fused into this block's first norm.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        biases: tuple[bool, bool, bool],
+        quant_config: QuantConfig | None,
+    ) -> None:
+        super().__init__()
+        theta, scaling, partial = hf_config.rope_parameters(config)
+        head_dim = hf_config.head_dim(config)
+        rotary = RotaryEmbedding(
+            head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=int(head_dim * partial)
+        )
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, backend, rotary, biases, quant_config, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, md)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# Checkpoint projections that live side by side in one merged parameter of ours:
+# (checkpoint module name, our module name, shard id).
+_STACKED = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", "q"),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", "k"),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", "v"),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        attn_backend: AttentionBackend,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = hf_config.num_kv_heads(config)
+        self.head_dim: int = hf_config.head_dim(config)
+        self.vocab_size: int = config.vocab_size
+        self.sliding_windows: list[int | None] = [
+            hf_config.layer_sliding_window(config, i) for i in range(self.num_layers)
+        ]
+        self.model = LlamaModel(config, dtype, attn_backend, self.biases(config), quant_config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype,
+            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+
+    @classmethod
+    def biases(cls, config: Any) -> tuple[bool, bool, bool]:
+        """(q/k/v bias, o_proj bias, MLP bias); subclasses for other families override."""
+        attn = bool(getattr(config, "attention_bias", False))
+        return attn, attn, bool(getattr(config, "mlp_bias", False))
+
+    def kv_cache_shape_per_layer(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        return (num_blocks, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] of the rows that sample -> fp32 logits [R, vocab]."""
+        return self.lm_head(hidden)
+
+    # ---------------------------------------------------------------- weight loading
+
+    def _checkpoint_names(self, param_name: str) -> list[tuple[str, object]]:
+        """The checkpoint tensors (name, shard id) that fill one of our parameters."""
+        names = [
+            (param_name.replace(ours, theirs), shard)
+            for theirs, ours, shard in _STACKED
+            if ours in param_name
+        ]
+        return names or [(param_name, None)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named checkpoint tensors into the model; raise WeightLoadError naming the tensor
+        on an unknown name or a wrong shape, and listing every tensor still missing at the end."""
+        arch = type(self).__name__
+        params = dict(self.named_parameters())
+        expected = {name for p in params for name, _ in self._checkpoint_names(p)}
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb." in name:
+                continue  # derived buffers some checkpoints carry (inv_freq, cos/sin caches)
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # the head is the embedding
+            target, shard = name, None
+            for theirs, ours, shard_id in _STACKED:
+                if theirs in name:
+                    target, shard = name.replace(theirs, ours), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise WeightLoadError.unknown(name, arch)
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            except ShapeMismatchError as e:
+                raise WeightLoadError.shape_mismatch(name, e.expected, e.got) from None
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            raise WeightLoadError.missing(missing, arch)
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.quant_method.process_weights_after_loading(module)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible routes: one module per endpoint family (contract §3)."""

@@ -1,0 +1,97 @@
+"""What every route needs: the engine, the served names, server settings (stored on `app.state`).
+
+Routes reach the engine only through `ServerState.ready_engine()`, which answers 503 while the
+model is still loading or after the engine died, so no route touches a half-built engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from paphos.config import ModelConfig, ServerConfig
+from paphos.outputs import RequestOutput
+from paphos.sampling_params import SamplingParams
+from paphos.server.errors import APIError
+
+
+class EngineClient(Protocol):
+    """The part of `paphos.engine.async_engine.AsyncEngine` the HTTP layer uses."""
+
+    is_ready: bool
+    errored: bool
+    error: BaseException | None
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    model_config: ModelConfig
+
+    async def start(self) -> None: ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    config: ServerConfig
+    served_model_names: tuple[str, ...]
+    # Set when engine.start() raised; the engine may not have flagged itself as errored.
+    start_error: BaseException | None = None
+    # Longest vocabulary entry in characters, for the cheap "prompt is surely too long" check.
+    _max_token_chars: int | None = field(default=None, repr=False)
+
+    @property
+    def model_name(self) -> str:
+        """The name echoed in responses (contract §1.2: the first served name)."""
+        return self.served_model_names[0]
+
+    def ready_engine(self) -> EngineClient:
+        engine = self.engine
+        if engine.errored or self.start_error is not None:
+            raise APIError(503, f"The engine is not running: {engine.error or self.start_error or 'it stopped'}")
+        if not engine.is_ready:
+            raise APIError(503, "The model is still loading; retry when GET /health returns 200.")
+        return engine
+
+    def resolve_model(self, name: str | None) -> str:
+        """`model` is optional; a given one must be served (404 otherwise)."""
+        if name is None or name == "":
+            return self.model_name
+        if name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+        return self.model_name
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.model_config.max_logprobs
+
+    @property
+    def max_token_chars(self) -> int:
+        if self._max_token_chars is None:
+            self._max_token_chars = _longest_token_chars(self.engine.tokenizer)
+        return self._max_token_chars
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    # Vocabulary strings are at least as long as the text they decode to (byte-level BPE spells
+    # each byte as one char; byte-fallback pieces like <0x0A> are longer), so this bounds from
+    # above how many characters one token can cover.
+    try:
+        vocab = tokenizer.hf.get_vocab()
+        return max(8, max(len(t) for t in vocab))
+    except Exception:  # noqa: BLE001 - any tokenizer without a vocab listing: be generous
+        return 1024
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.paphos

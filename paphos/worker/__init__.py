@@ -1,0 +1,1 @@
+"""Worker: owns the device, the model, the paged KV cache and the per-request input state."""

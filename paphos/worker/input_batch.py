@@ -1,0 +1,126 @@
+"""Per-request state the model runner keeps between steps, and the flat batch built from it.
+
+The scheduler tells the runner only what changed (scheduler_output.py); this module applies those
+diffs to `RequestState`s and lays out one step's flat token batch: token ids, positions, slot
+mapping, block tables and the rows whose logits are needed (sampling rows and prompt-logprob rows).
+Index arithmetic is vectorised with numpy per request, never per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from paphos.attention.metadata import AttentionMetadata
+from paphos.core.scheduler_output import SchedulerOutput
+from paphos.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    # Batch indices (into req_ids) of the requests that sample this step, and their hidden rows.
+    sampling_reqs: list[int]
+    sampling_rows: list[int]
+    # Per batch index asking for prompt logprobs: (hidden rows, the prompt token each row predicts).
+    prompt_logprob_rows: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+
+def apply_scheduler_diffs(states: dict[str, RequestState], out: SchedulerOutput) -> None:
+    for req_id in out.finished_req_ids | out.preempted_req_ids:
+        states.pop(req_id, None)
+    for new in out.scheduled_new_reqs:
+        states[new.req_id] = RequestState(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+    for cached in out.scheduled_cached_reqs:
+        state = states[cached.req_id]
+        state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+
+
+def build_step_inputs(
+    states: dict[str, RequestState], out: SchedulerOutput, block_size: int, device: torch.device
+) -> StepInputs:
+    req_ids = list(out.num_scheduled_tokens)
+    num_seqs = len(req_ids)
+    token_chunks: list[list[int]] = []
+    position_chunks: list[np.ndarray] = []
+    slot_chunks: list[np.ndarray] = []
+    query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+    seq_lens = np.zeros(num_seqs, dtype=np.int64)
+    max_blocks = max(len(states[r].block_ids) for r in req_ids)
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    sampling_reqs: list[int] = []
+    sampling_rows: list[int] = []
+    prompt_rows: dict[int, tuple[list[int], list[int]]] = {}
+
+    for i, req_id in enumerate(req_ids):
+        state = states[req_id]
+        n = out.num_scheduled_tokens[req_id]
+        start = state.num_computed_tokens
+        end = start + n
+        token_chunks.append(state.token_ids[start:end])
+        positions = np.arange(start, end, dtype=np.int64)
+        blocks = np.asarray(state.block_ids, dtype=np.int64)
+        position_chunks.append(positions)
+        slot_chunks.append(blocks[positions // block_size] * block_size + positions % block_size)
+        block_tables[i, : len(blocks)] = blocks
+        query_start[i + 1] = query_start[i] + n
+        seq_lens[i] = end
+        if end == len(state.token_ids):
+            sampling_reqs.append(i)
+            sampling_rows.append(int(query_start[i + 1]) - 1)
+        if state.sampling_params.prompt_logprobs is not None and start + 1 < state.num_prompt_tokens:
+            # Row at position p predicts prompt token p + 1; stop before the last prompt token.
+            last = min(end, state.num_prompt_tokens - 1)
+            rows = list(range(int(query_start[i]), int(query_start[i]) + last - start))
+            prompt_rows[i] = (rows, state.token_ids[start + 1 : last + 1])
+
+    flat_tokens = [t for chunk in token_chunks for t in chunk]
+    qsl = query_start.tolist()
+    lens = seq_lens.tolist()
+    metadata = AttentionMetadata(
+        num_tokens=len(flat_tokens),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(device),
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:], strict=False)),
+        max_seq_len=max(lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+    )
+    return StepInputs(
+        req_ids=req_ids,
+        input_ids=torch.tensor(flat_tokens, dtype=torch.long, device=device),
+        positions=torch.from_numpy(np.concatenate(position_chunks)).to(device),
+        attn_metadata=metadata,
+        sampling_reqs=sampling_reqs,
+        sampling_rows=sampling_rows,
+        prompt_logprob_rows=prompt_rows,
+    )

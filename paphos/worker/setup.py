@@ -1,0 +1,115 @@
+"""Engine start-up on the worker side: model path -> loaded model, KV cache and ModelRunner.
+
+Data flow: EngineConfig -> loader.load_model_source (config, tokenizer, eos ids, context length)
+-> models.registry (model class) -> weights streamed into the model -> KV cache sized from the
+memory budget -> ModelRunner. Returns the EngineConfig with model-derived values filled in.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from paphos.attention.torch_ref import TorchReferenceBackend
+from paphos.config import ConfigError, EngineConfig
+from paphos.loader import load_model_source
+from paphos.models.registry import resolve_model_class
+from paphos.tokenizer import Tokenizer
+from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+from paphos.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Memory kept free on a GPU beyond the KV cache for activations of the largest step.
+_GPU_ACTIVATION_RESERVE = 2 << 30
+
+
+@dataclass
+class Worker:
+    config: EngineConfig
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    eos_token_id: int | None
+    extra_eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    num_blocks: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device: {exc}") from exc
+
+
+def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        # Half precision on CPUs without matrix units is slower and less exact than float32.
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return torch.float16 if config_dtype == torch.float16 else torch.bfloat16
+
+
+def load_worker(config: EngineConfig) -> Worker:
+    model_config = config.model
+    source = load_model_source(
+        model_config.model,
+        load_format=model_config.load_format,
+        tokenizer=model_config.tokenizer,
+        chat_template=model_config.chat_template,
+    )
+    if source.tokenizer is None:
+        raise ConfigError(f"{source.path}: no tokenizer found; pass --tokenizer")
+    logger.info("loading %s", source.description)
+
+    max_model_len = model_config.max_model_len or source.max_model_len
+    if max_model_len > source.max_model_len:
+        raise ConfigError(
+            f"--max-model-len {max_model_len} exceeds the model's context length {source.max_model_len}"
+        )
+    config = config.with_max_model_len(max_model_len)
+
+    device = resolve_device(model_config.device)
+    dtype = resolve_dtype(model_config.dtype, source.hf_config, device)
+    torch.manual_seed(model_config.seed)
+    model_cls = resolve_model_class(source.hf_config)
+    with torch.device(device):
+        model = model_cls(source.hf_config, dtype=dtype, attn_backend=TorchReferenceBackend())
+    source.load_into(model, seed=model_config.seed)
+    model.eval()
+
+    kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    num_blocks = num_blocks_for_budget(kv_spec, config.cache, _kv_budget_bytes(config, device))
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+        num_blocks - 1, config.cache.block_size, (num_blocks - 1) * config.cache.block_size,
+        num_blocks * kv_spec.bytes_per_block(config.cache.block_size) / (1 << 30), device,
+    )
+    eos_ids = source.eos_token_ids
+    runner = ModelRunner(
+        model, kv_spec, num_blocks, config.cache.block_size, device, model.vocab_size,
+        eos_ids[0] if eos_ids else None,
+    )
+    return Worker(
+        config=config,
+        tokenizer=source.tokenizer,
+        runner=runner,
+        eos_token_id=eos_ids[0] if eos_ids else None,
+        extra_eos_token_ids=tuple(eos_ids[1:]),
+        vocab_size=model.vocab_size,
+        num_blocks=num_blocks,
+    )
+
+
+def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return max(0, int(free * config.cache.gpu_memory_utilization) - _GPU_ACTIVATION_RESERVE)
+    return int(config.cache.cpu_kv_cache_gb * (1 << 30))
