@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -195,10 +194,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _chat_template(value: str | None) -> str | None:
-    if value and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    return value
+    """A file path or a literal template -> template text (a mistyped path is an error)."""
+    if value is None:
+        return None
+    from paphos.tokenizer import resolve_chat_template
+
+    try:
+        return resolve_chat_template(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -253,6 +257,8 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     app = build_app(engine, server_config, engine_config.model.served_names, on_engine_failure=on_failure)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.uvicorn_log_level,
+        # Open SSE streams would otherwise hold Ctrl-C until they finish.
+        timeout_graceful_shutdown=5,
     ))
     server.run()
     if failed:

@@ -96,7 +96,9 @@ class Tokenizer:
         hf = AutoTokenizer.from_pretrained(str(path), **kwargs)
         if not getattr(hf, "is_fast", False):
             raise ValueError(f"{path}: only fast tokenizers (tokenizer.json) are supported")
-        return cls(hf, chat_template=_maybe_resolve(chat_template), name=str(path))
+        tok = cls(hf, name=str(path))
+        tok.set_chat_template(chat_template)
+        return tok
 
     @classmethod
     def from_gguf(
@@ -125,13 +127,9 @@ class Tokenizer:
         pre = (gguf_metadata or {}).get("tokenizer.ggml.pre")
         if pre in _DIGIT_SPLIT_PRE_TYPES:
             _split_digits(hf)
-        return cls(
-            hf,
-            add_bos=add_bos,
-            add_eos=add_eos,
-            chat_template=_maybe_resolve(chat_template),
-            name=str(path),
-        )
+        tok = cls(hf, add_bos=add_bos, add_eos=add_eos, name=str(path))
+        tok.set_chat_template(chat_template)
+        return tok
 
     # ---- ids <-> text -------------------------------------------------------------------------
 
@@ -170,6 +168,12 @@ class Tokenizer:
         return self.hf.get_vocab()
 
     # ---- chat templates -----------------------------------------------------------------------
+
+    def set_chat_template(self, value: str | None) -> None:
+        """Override the model's chat template (`--chat-template`: a file path or a Jinja string);
+        None keeps the current one. Raises ValueError for a path that does not exist."""
+        if value is not None:
+            self._chat_template_override = resolve_chat_template(value)
 
     @property
     def chat_template(self) -> str | None:

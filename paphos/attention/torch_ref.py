@@ -93,6 +93,7 @@ class TorchReferenceBackend:
             and key[1] is md.block_tables
             and key[2] == md.query_start_loc_cpu
             and key[3] == md.seq_lens_cpu
+            and key[4] == block_size
         ):
             return self._plan
         plan = self._build_plan(md, block_size)
@@ -101,6 +102,7 @@ class TorchReferenceBackend:
             md.block_tables,
             list(md.query_start_loc_cpu),
             list(md.seq_lens_cpu),
+            block_size,
         )
         self._plan = plan
         return plan

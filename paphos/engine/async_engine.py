@@ -79,13 +79,19 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, float]:
         if self._engine is None:
-            return {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_used_blocks": 0}
+            return dict.fromkeys(
+                ("num_running", "num_waiting", "kv_usage", "num_used_blocks", "num_preemptions",
+                 "prefix_cache_queries", "prefix_cache_hits"), 0,
+            )
         scheduler = self._engine.scheduler
         return {
             "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,
             "kv_usage": scheduler.kv_usage,
             "num_used_blocks": scheduler.num_used_blocks,
+            "num_preemptions": scheduler.num_preemptions_total,
+            "prefix_cache_queries": scheduler.prefix_cache_queries,
+            "prefix_cache_hits": scheduler.prefix_cache_hits,
         }
 
     def generate(

@@ -4,6 +4,7 @@ a tokenizer and a stream of HF-named weights. See `paphos.loader.source` for the
 from paphos.loader.base import LoaderError, WeightsIterator
 from paphos.loader.dummy_loader import fill_dummy_weights, load_dummy_config
 from paphos.loader.gguf_loader import GGUFCheckpoint, gguf_to_hf_name, unpermute_qk
+from paphos.loader.gguf_reader import GGUFFile, GGUFFormatError, GGUFTensor, read_gguf
 from paphos.loader.safetensors_loader import iter_safetensors, safetensors_files
 from paphos.loader.source import (
     ModelSource,
@@ -15,6 +16,9 @@ from paphos.loader.source import (
 
 __all__ = [
     "GGUFCheckpoint",
+    "GGUFFile",
+    "GGUFFormatError",
+    "GGUFTensor",
     "LoaderError",
     "ModelSource",
     "WeightsIterator",
@@ -26,6 +30,7 @@ __all__ = [
     "iter_safetensors",
     "load_dummy_config",
     "load_model_source",
+    "read_gguf",
     "safetensors_files",
     "unpermute_qk",
 ]

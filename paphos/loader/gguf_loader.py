@@ -14,10 +14,13 @@ Two layout differences between llama.cpp and HF are undone here:
 - A model with tied embeddings has no `output.weight`; then `tie_word_embeddings` is set and no
   `lm_head.weight` is yielded, as in an HF checkpoint of such a model.
 
-The config is built from the metadata here instead of `AutoConfig.from_pretrained(gguf_file=...)`:
-transformers' legacy path re-parses every vocabulary string of the file for it (seconds), while the
-handful of keys below are all it reads for these architectures. The test suite checks the result
-against transformers' own GGUF conversion.
+The header comes from `gguf_reader.py` (fast; see why there). The config is built from the
+metadata here rather than by `AutoConfig.from_pretrained(gguf_file=...)`, whose legacy path for
+these architectures re-parses every vocabulary string of the file (seconds) to read the same dozen
+keys. The tests check config, names and values against transformers' own GGUF conversion.
+
+Adding an architecture: an `_ArchSpec` entry, its extra tensor names, and any value transform
+llama.cpp's converter applied (e.g. Gemma stores RMSNorm weights as 1 + w).
 """
 
 from __future__ import annotations
@@ -33,12 +36,9 @@ import numpy as np
 import torch
 
 from paphos.loader.base import LoaderError, WeightsIterator, progress
+from paphos.loader.gguf_reader import GGUFFormatError, GGUFTensor, read_gguf
 
 logger = logging.getLogger(__name__)
-
-# Arrays longer than this (vocabulary, merges, scores, token types) are summarized by their length
-# in `GGUFCheckpoint.metadata`; the tokenizer conversion reads them itself.
-_MAX_ARRAY_IN_METADATA = 256
 
 
 @dataclass(frozen=True)
@@ -119,16 +119,16 @@ class GGUFCheckpoint:
     """One `.gguf` file, memory-mapped. Cheap to keep; tensors are read when iterated."""
 
     def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise LoaderError(f"{self.path}: GGUF file not found")
         try:
-            self.reader = GGUFReader(self.path)
-        except Exception as e:  # bad magic, unsupported version, truncated header
+            gguf_file = read_gguf(self.path)
+        except (GGUFFormatError, OSError) as e:
             raise LoaderError(f"{self.path}: not a readable GGUF file: {e}") from e
-        self.metadata: dict[str, Any] = _read_metadata(self.reader)
+        # Key/values; arrays longer than 256 items (vocabulary, merges) appear as their length.
+        self.metadata: dict[str, Any] = gguf_file.metadata
+        self.tensors: list[GGUFTensor] = gguf_file.tensors
         self.architecture: str = str(self.metadata.get("general.architecture", ""))
         spec = _ARCHS.get(self.architecture)
         if spec is None:
@@ -137,7 +137,7 @@ class GGUFCheckpoint:
                 f"(supported: {', '.join(sorted(_ARCHS))})"
             )
         self._spec = spec
-        self.tensor_names: list[str] = [t.name for t in self.reader.tensors]
+        self.tensor_names: list[str] = [t.name for t in self.tensors]
         self.hf_config = self._build_config()
 
     # ---- metadata -----------------------------------------------------------------------------
@@ -160,6 +160,8 @@ class GGUFCheckpoint:
         hidden = int(self._require("embedding_length"))
         names = set(self.tensor_names)
         vocab = self._key("vocab_size") or self.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(vocab, list):  # a vocabulary short enough to be kept as a list
+            vocab = len(vocab)
         kwargs: dict[str, Any] = {
             "architectures": [self._spec.hf_architecture],
             "hidden_size": hidden,
@@ -204,11 +206,11 @@ class GGUFCheckpoint:
         from paphos.tokenizer import Tokenizer
 
         try:
-            return Tokenizer.from_gguf(self.path, chat_template=chat_template, gguf_metadata=self.metadata)
-        except ValueError:
-            raise
+            tok = Tokenizer.from_gguf(self.path, gguf_metadata=self.metadata)
         except Exception as e:
             raise LoaderError(f"{self.path}: cannot build the tokenizer: {e}") from e
+        tok.set_chat_template(chat_template)  # a bad override is the user's ValueError, not ours
+        return tok
 
     def eos_token_ids(self, tokenizer: Any | None) -> tuple[int, ...]:
         """End-of-generation ids as llama.cpp derives them: the file's eos (first), eot, eom ids,
@@ -238,7 +240,7 @@ class GGUFCheckpoint:
 
     def quant_summary(self) -> str:
         """e.g. `Q4_1 x210, F32 x61, Q8_0 x1` (tensor types and counts), for the startup log."""
-        counts = Counter(t.tensor_type.name for t in self.reader.tensors)
+        counts = Counter(t.tensor_type.name for t in self.tensors)
         return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
 
     # ---- weights ------------------------------------------------------------------------------
@@ -252,7 +254,7 @@ class GGUFCheckpoint:
             "q_proj": config.num_attention_heads,
             "k_proj": config.num_key_value_heads,
         }
-        tensors = self.reader.tensors
+        tensors = self.tensors
         for t in progress(
             tensors, total=len(tensors), desc=f"Loading {self.path.name}", enabled=show_progress
         ):
@@ -267,13 +269,11 @@ class GGUFCheckpoint:
                     continue
                 raise LoaderError(f"{self.path}: tensor {t.name!r} has no known HF counterpart")
             try:
-                array = dequantize(t.data, t.tensor_type)
-                # GGUF lists dimensions fastest-first; numpy/torch want them slowest-first.
-                array = array.reshape(tuple(int(d) for d in reversed(t.shape)))
+                array = dequantize(t.data, t.tensor_type).reshape(t.shape)
             except Exception as e:
                 raise LoaderError(
                     f"{self.path}: cannot dequantize tensor {t.name!r} "
-                    f"({t.tensor_type.name}, shape {list(map(int, t.shape))}): {e}"
+                    f"({t.tensor_type.name}, shape {list(t.shape)}): {e}"
                 ) from e
             if array.dtype != np.float32 or not array.flags.writeable:
                 # F32 tensors are views of the read-only file mapping; torch wants owned memory.
@@ -289,15 +289,3 @@ class GGUFCheckpoint:
                     )
                 tensor = unpermute_qk(tensor, n_head)
             yield hf_name, tensor
-
-
-def _read_metadata(reader: Any) -> dict[str, Any]:
-    from gguf import GGUFValueType
-
-    metadata: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > _MAX_ARRAY_IN_METADATA:
-            metadata[name] = len(field.data)
-        else:
-            metadata[name] = field.contents()
-    return metadata

@@ -114,6 +114,9 @@ class ModelSource:
     eos_token_ids: tuple[int, ...]  # every end-of-generation id, the primary EOS first
     max_model_len: int  # the model's context length (cap for --max-model-len)
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)  # sampling defaults
+    # dtype of the checkpoint's float weights, the hint for `--dtype auto`; None for GGUF (weights
+    # are dequantized to float32; pick by device) and for configs that do not say.
+    checkpoint_dtype: torch.dtype | None = None
     description: str = ""  # one line for the start-up log (format, quant types)
     _weights: Callable[[bool], WeightsIterator] | None = field(default=None, repr=False)
 
@@ -145,7 +148,7 @@ def load_model_source(
     """
     path = Path(model).expanduser()
     fmt = detect_format(path, load_format)
-    if fmt == "gguf" or (fmt == "dummy" and path.is_file() and _is_gguf_file(path)):
+    if fmt == "gguf" or (fmt == "dummy" and _is_gguf_only(path)):
         checkpoint = GGUFCheckpoint(find_gguf_file(path))
         tok = (
             _load_tokenizer(tokenizer, chat_template)
@@ -153,6 +156,7 @@ def load_model_source(
             else checkpoint.tokenizer(chat_template)
         )
         quant = checkpoint.quant_summary()
+        logger.info("Loaded GGUF metadata of %s (%s; %s)", checkpoint.path, checkpoint.architecture, quant)
         return ModelSource(
             path=checkpoint.path,
             load_format=fmt,
@@ -185,6 +189,7 @@ def load_model_source(
             return iter_safetensors(path, show_progress=show)
 
     generation = _read_generation_config(model_dir)
+    logger.info("Loaded %s config of %s (%s)", fmt, path, getattr(hf_config, "model_type", "?"))
     return ModelSource(
         path=path,
         load_format=fmt,
@@ -193,9 +198,25 @@ def load_model_source(
         eos_token_ids=_hf_eos_ids(hf_config, generation, tok),
         max_model_len=derive_max_model_len(hf_config),
         generation_defaults={k: generation[k] for k in _SAMPLING_KEYS if k in generation},
+        checkpoint_dtype=_config_dtype(hf_config),
         description=f"{fmt} {path.name} ({getattr(hf_config, 'model_type', '?')})",
         _weights=weights,
     )
+
+
+def _is_gguf_only(path: Path) -> bool:
+    """A GGUF file, or a directory with a .gguf file but no config.json (dummy weights for it)."""
+    if path.is_file():
+        return _is_gguf_file(path)
+    return not (path / "config.json").is_file() and any(path.glob("*.gguf"))
+
+
+def _config_dtype(hf_config: Any) -> torch.dtype | None:
+    # transformers 5 calls it `dtype`, 4.x `torch_dtype`; either a torch.dtype or its name.
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
 
 
 def _load_tokenizer(
@@ -204,20 +225,16 @@ def _load_tokenizer(
     source = Path(source).expanduser()
     try:
         if source.is_file() and _is_gguf_file(source):
-            return Tokenizer.from_gguf(source, chat_template=chat_template)
-        return Tokenizer.from_pretrained(source, chat_template=chat_template)
-    except ValueError as e:
-        if "--chat-template" in str(e):
-            raise  # a bad override is the user's error, not a missing tokenizer
+            tok = Tokenizer.from_gguf(source)
+        else:
+            tok = Tokenizer.from_pretrained(source)
+    except Exception as e:  # missing files, unsupported tokenizer class, ...
         if not required:
             logger.warning("%s: no usable tokenizer (%s); running without one", source, e)
             return None
         raise LoaderError(f"{source}: cannot load the tokenizer ({e}); pass --tokenizer") from e
-    except Exception as e:
-        if not required:
-            logger.warning("%s: no usable tokenizer (%s); running without one", source, e)
-            return None
-        raise LoaderError(f"{source}: cannot load the tokenizer ({e}); pass --tokenizer") from e
+    tok.set_chat_template(chat_template)  # a bad override is the user's ValueError, not ours
+    return tok
 
 
 def _read_generation_config(model_dir: Path) -> dict[str, Any]:

@@ -19,7 +19,9 @@ from fastapi.responses import Response
 
 from paphos.config import ServerConfig
 from paphos.server.errors import BodySizeLimitMiddleware, error_response, install_error_handlers
+from paphos.server import metrics
 from paphos.server.openai import chat, completions, models, tokenize
+from paphos.server.metrics import build_registry
 from paphos.server.state import EngineClient, ServerState, get_state
 from paphos.version import __version__
 
@@ -34,8 +36,12 @@ async def _start_engine(state: ServerState, on_failure: Callable[[BaseException]
     except BaseException as exc:  # noqa: BLE001 - reported through /health and the callback
         state.start_error = exc
         logger.exception("the engine failed to start")
-        if on_failure is not None:
-            on_failure(exc)
+    else:
+        # An engine may also report a failed load by flagging itself instead of raising.
+        if state.engine.errored:
+            state.start_error = state.engine.error or RuntimeError("the engine failed to start")
+    if state.start_error is not None and on_failure is not None:
+        on_failure(state.start_error)
 
 
 def build_app(
@@ -76,6 +82,8 @@ def build_app(
 
     for module in (completions, chat, models, tokenize):
         app.include_router(module.router)
+    app.state.metrics_registry = build_registry(engine.stats, state.model_name)
+    app.include_router(metrics.router)
 
     @app.get("/health")
     @app.get("/ping")

@@ -68,6 +68,10 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     return JSONResponse(error_body(status, message, param, type_), status_code=status)
 
 
+# Location parts pydantic appends for union members and validators (not field names).
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-before", "function-plain"}
+
+
 def _field_name(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts)
@@ -93,9 +97,6 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
     count = len(seen)
     prefix = f"{count} invalid field{'s' if count != 1 else ''}: " if count else ""
     return error_response(400, f"{prefix}{message}", fields[0] or None)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-before", "function-plain"}
 
 
 async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:

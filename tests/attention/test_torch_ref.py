@@ -136,3 +136,23 @@ def test_write_kv_cache_slots() -> None:
     assert torch.equal(cache[3, 0, 1], k[0]) and torch.equal(cache[3, 1, 1], -k[0])
     assert torch.equal(cache[1, 0, 0], k[1]) and torch.equal(cache[4, 1, 3], -k[2])
     assert cache.abs().sum() == 2 * k.abs().sum()
+
+
+def test_metadata_refilled_in_place_rebuilds_plan() -> None:
+    """A runner that reuses one metadata object must not get the previous step's plan."""
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.zeros(8, 2, BLOCK, 1, 4)
+    tables = allocate_block_tables([6, 6], BLOCK, 8, gen)
+    backend = TorchReferenceBackend()
+    md = build_metadata([6], [6], tables[:1], BLOCK)
+    q, k = torch.randn(6, 2, 4, generator=gen), torch.randn(6, 1, 4, generator=gen)
+    backend.forward(q, k, k, cache, md, 0.5)
+    step2 = build_metadata([1, 6], [7, 6], tables, BLOCK)
+    for field in ("num_tokens", "query_start_loc", "seq_lens", "slot_mapping", "query_start_loc_cpu"):
+        setattr(md, field, getattr(step2, field))
+    md.seq_lens_cpu[:] = step2.seq_lens_cpu  # same list object, new contents
+    md.block_tables = step2.block_tables
+    q2, k2 = torch.randn(7, 2, 4, generator=gen), torch.randn(7, 1, 4, generator=gen)
+    out = backend.forward(q2, k2, k2, cache, md, 0.5)
+    fresh = TorchReferenceBackend().forward(q2, k2, k2, cache, step2, 0.5)
+    torch.testing.assert_close(out, fresh, rtol=0, atol=0)

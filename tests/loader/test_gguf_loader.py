@@ -93,7 +93,9 @@ def test_smollm2_metadata(smol_checkpoint: GGUFCheckpoint, smol_tokenizer) -> No
 # ---- tiny synthetic files ---------------------------------------------------------------------
 
 
-def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], *, heads=4, kv_heads=2, **extra) -> Path:
+def _write_gguf(
+    path: Path, arch: str, tensors: dict[str, np.ndarray], *, heads=4, kv_heads=2, **extra
+) -> Path:
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -172,7 +174,9 @@ def test_unknown_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "falcon.gguf", "falcon", {"token_embd.weight": np.zeros((8, 16), np.float32)})
+    path = _write_gguf(
+        tmp_path / "falcon.gguf", "falcon", {"token_embd.weight": np.zeros((8, 16), np.float32)}
+    )
     with pytest.raises(LoaderError, match=r"falcon\.gguf.*'falcon' is not supported"):
         GGUFCheckpoint(path)
 
@@ -184,3 +188,60 @@ def test_corrupt_and_missing_files(tmp_path: Path) -> None:
         GGUFCheckpoint(bad)
     with pytest.raises(LoaderError, match=r"nope\.gguf: GGUF file not found"):
         GGUFCheckpoint(tmp_path / "nope.gguf")
+
+
+# ---- our header reader against gguf.GGUFReader ------------------------------------------------
+
+
+def test_reader_matches_gguf_reader(tmp_path: Path) -> None:
+    import gguf
+
+    from paphos.loader.gguf_reader import read_gguf
+
+    rng = np.random.default_rng(4)
+    w = gguf.GGUFWriter(str(tmp_path / "r.gguf"), "llama")
+    w.add_uint32("llama.block_count", 3)
+    w.add_float32("llama.rope.freq_base", 5e5)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_string("tokenizer.chat_template", "{{ messages }} ✓")
+    w.add_array("llama.small", [1, 2, 3])
+    w.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(1000)])  # long: only the length
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(1000)])
+    w.add_custom_alignment(64)
+    q8 = rng.standard_normal((4, 64)).astype(np.float32)
+    w.add_tensor(
+        "q8",
+        gguf.quants.quantize(q8, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
+    w.add_tensor("f16", rng.standard_normal((3, 5)).astype(np.float16))
+    w.add_tensor("f32", rng.standard_normal(7).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours = read_gguf(tmp_path / "r.gguf")
+    ref = gguf.GGUFReader(tmp_path / "r.gguf")
+    assert ours.metadata["llama.block_count"] == 3
+    assert ours.metadata["llama.rope.freq_base"] == pytest.approx(5e5)
+    assert ours.metadata["tokenizer.ggml.add_bos_token"] is True
+    assert ours.metadata["tokenizer.chat_template"] == "{{ messages }} ✓"
+    assert ours.metadata["llama.small"] == [1, 2, 3]
+    assert ours.metadata["tokenizer.ggml.tokens"] == 1000 and ours.metadata["tokenizer.ggml.scores"] == 1000
+    assert set(ours.metadata) == set(ref.fields) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and a.n_bytes == b.n_bytes
+        assert a.shape == tuple(int(d) for d in reversed(b.shape))
+        got = gguf.quants.dequantize(a.data, a.tensor_type).reshape(a.shape)
+        want = gguf.quants.dequantize(b.data, b.tensor_type).reshape(a.shape)
+        assert np.array_equal(got, want), a.name
+
+
+def test_truncated_gguf_is_named(tmp_path: Path) -> None:
+    hf = _tiny_tensors(np.random.default_rng(5), bias=False, tied=True)
+    path = _write_gguf(tmp_path / "cut.gguf", "llama", hf)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(LoaderError, match=r"cut\.gguf: not a readable GGUF file.*past the end"):
+        GGUFCheckpoint(path)

@@ -86,6 +86,7 @@ def test_safetensors_source(tmp_path: Path, tiny_llama_config, smol_tokenizer) -
     assert source.eos_token_ids == (2, 5)
     assert source.generation_defaults == {"temperature": 0.6}
     assert source.max_model_len == 256
+    assert source.checkpoint_dtype == torch.float32  # save_pretrained of a float32 model
     assert source.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "x"
     recorder = _RecordingModel()
     source.load_into(recorder, show_progress=False)
@@ -114,3 +115,13 @@ def test_derive_max_model_len_fallback() -> None:
     assert derive_max_model_len(config) == 2048
     config.n_positions = 1024
     assert derive_max_model_len(config) == 1024
+
+
+def test_dummy_source_from_gguf(smol_path: Path) -> None:
+    source = load_model_source(smol_path, load_format="dummy")
+    assert source.load_format == "dummy" and source.hf_config.num_hidden_layers == 30
+    assert source.tokenizer is not None and source.eos_token_ids == (2, 0)
+    with pytest.raises(LoaderError, match="dummy"):
+        source.iter_weights()
+    with pytest.raises(ValueError, match="--chat-template"):
+        load_model_source(smol_path, load_format="dummy", chat_template="/nonexistent/t.jinja")

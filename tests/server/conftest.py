@@ -10,8 +10,8 @@ first iteration, as the engine's own validation would).
 from __future__ import annotations
 
 import asyncio
-import time
 import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -68,7 +68,7 @@ class FakeTokenizer:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, chat_template: str | None = None, **kwargs: Any,
     ) -> str:
-        if chat_template == "BROKEN":
+        if chat_template and "BROKEN" in chat_template:
             raise ValueError("template syntax error")
         prefix = chat_template or ""
         extra = "".join(f"[{k}={v}]" for k, v in sorted(kwargs.items()) if k != "tools")
@@ -210,3 +210,12 @@ def sse_events(text: str) -> list[str]:
         assert "\n" not in event
         payloads.append(event[len("data: "):])
     return payloads
+
+
+@pytest.fixture(scope="session")
+def spawned_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real server (default model) shared by every test that needs HTTP end to end."""
+    from tests.server.spawn import spawn_server
+
+    with spawn_server(tmp_path_factory.mktemp("server")) as base:
+        yield base

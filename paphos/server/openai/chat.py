@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from paphos.sampling_params import SamplingParams
 from paphos.server.errors import bad_request
 from paphos.server.openai import common
-from paphos.server.openai.logprobs import ChatLogprobs, TokenDecoder, special_token_ids
+from paphos.server.openai.logprobs import ChatLogprobs, TokenDecoder, prompt_logprobs_json, special_token_ids
 from paphos.server.openai.prompts import (
     check_context,
     context_overflow,
@@ -106,7 +106,7 @@ async def _plan(body: ChatCompletionRequest, state: ServerState) -> _Plan:
     else:
         max_tokens = requested
         check_context(engine, len(ids), max_tokens, "max_tokens" if len(ids) < engine.max_model_len else "messages")
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=num_top)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=num_top, prompt_logprobs=body.prompt_logprobs)
     params.validate_against(engine.vocab_size, state.max_logprobs)
     echo_text = ""
     last = body.messages[-1]
@@ -118,7 +118,8 @@ async def _plan(body: ChatCompletionRequest, state: ServerState) -> _Plan:
 def _logprob_formatter(state: ServerState, plan: _Plan) -> ChatLogprobs:
     tokenizer = state.engine.tokenizer
     decoder = TokenDecoder(
-        tokenizer, plan.prompt_ids, state.config.return_tokens_as_token_ids, special_token_ids(tokenizer)
+        tokenizer, plan.prompt_ids, state.config.return_tokens_as_token_ids, special_token_ids(tokenizer),
+        plan.params.skip_special_tokens,
     )
     return ChatLogprobs(decoder, plan.num_top_logprobs or 0)
 
@@ -156,7 +157,7 @@ def _response(state: ServerState, plan: _Plan, collected: common.Collected) -> d
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
         })
-    return {
+    response = {
         "id": plan.request_id,
         "object": "chat.completion",
         "created": common.now(),
@@ -164,6 +165,12 @@ def _response(state: ServerState, plan: _Plan, collected: common.Collected) -> d
         "choices": choices,
         "usage": common.usage(len(plan.prompt_ids), completion_tokens),
     }
+    if plan.body.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(
+            state.engine.tokenizer, plan.prompt_ids, collected.prompt_logprobs.get(0),
+            state.config.return_tokens_as_token_ids,
+        )
+    return response
 
 
 async def _stream(state: ServerState, plan: _Plan, merged: MergedOutputs, first: Any) -> AsyncIterator[str]:

@@ -118,15 +118,15 @@ async def _plan(body: CompletionRequest, state: ServerState) -> _Plan:
     return _Plan(common.new_request_id("cmpl"), model, body, prompts, params, discard)
 
 
-def _decoder(state: ServerState, context: list[int]) -> TokenDecoder:
-    tokenizer = state.engine.tokenizer
-    return TokenDecoder(tokenizer, context, state.config.return_tokens_as_token_ids, special_token_ids(tokenizer))
-
-
 def _logprob_formatter(state: ServerState, plan: _Plan, prompt: _Prompt) -> CompletionLogprobs:
     body = plan.body
-    context = [] if body.echo else prompt.ids
-    return CompletionLogprobs(_decoder(state, context), body.logprobs or 0, body.skip_special_tokens)
+    tokenizer = state.engine.tokenizer
+    # With echo the offsets run over the prompt text too, so decoding starts without context.
+    decoder = TokenDecoder(
+        tokenizer, [] if body.echo else prompt.ids, state.config.return_tokens_as_token_ids,
+        special_token_ids(tokenizer), body.skip_special_tokens,
+    )
+    return CompletionLogprobs(decoder, body.logprobs or 0)
 
 
 @router.post("/v1/completions")

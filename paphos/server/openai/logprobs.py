@@ -32,65 +32,124 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
-class TokenDecoder:
-    """Decodes token ids one at a time with left context; `as_ids` spells tokens `token_id:N`."""
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE spells each byte as one printable character; this maps them back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
 
-    def __init__(self, tokenizer: Any, context: list[int], as_ids: bool, special_ids: frozenset[int]) -> None:
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    decoder = getattr(getattr(getattr(tokenizer, "hf", None), "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+class TokenDecoder:
+    """Text of each token in context, for one choice; `as_ids` spells tokens `token_id:N`.
+
+    A character split over several byte tokens is attributed to the token that completes it; the
+    tokens before it add no text. So the token strings concatenate to the response text and each
+    token's offset is where its text starts.
+    """
+
+    def __init__(
+        self, tokenizer: Any, context: list[int], as_ids: bool, special_ids: frozenset[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
-        self._window = list(context[-_CONTEXT:])
+        self._committed = list(context[-_CONTEXT:])
+        self._pending: list[int] = []  # tokens of a character not yet complete
+        self._pending_chars = 0  # text of those tokens already attributed (before the broken char)
         self._as_ids = as_ids
         self._special = special_ids
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special
+        self._skip_special = skip_special_tokens
+        self._byte_level = _is_byte_level(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _in_context(self, prefix: str, token_id: int) -> str:
-        full = self._decode([*self._window, token_id])
-        if full.startswith(prefix):
-            return full[len(prefix):]
-        return self._decode([token_id])
+    def _new_text(self, prefix: str, token_id: int) -> tuple[str, bool]:
+        """Complete text the token adds after `prefix` (pending tokens included), and whether a
+        character is still unfinished."""
+        full = self._decode([*self._committed, *self._pending, token_id])
+        new = full[len(prefix):] if full.startswith(prefix) else self._decode([token_id])
+        if new.endswith("\ufffd"):
+            return new.rstrip("\ufffd"), True
+        return new, False
 
-    def step(self, token_id: int, alternatives: Sequence[int] = ()) -> tuple[str, dict[int, str]]:
-        """Text of `token_id` and of each alternative at this position; then advances past it."""
-        if self._as_ids:
-            texts = {t: f"token_id:{t}" for t in alternatives}
-            text = f"token_id:{token_id}"
+    def step(self, token_id: int, alternatives: Sequence[int] = ()) -> tuple[str, int, dict[int, str]]:
+        """(display text, characters of response text, alternatives' texts) for this position."""
+        prefix = self._decode(self._committed) if self._committed else ""
+        stable, unfinished = self._new_text(prefix, token_id)
+        text = stable[self._pending_chars:]
+        alt_texts: dict[int, str] = {}
+        for alt in alternatives:
+            if alt == token_id:
+                alt_texts[alt] = text
+            elif self._as_ids:
+                alt_texts[alt] = f"token_id:{alt}"
+            else:
+                alt_stable, _ = self._new_text(prefix, alt)
+                alt_texts[alt] = alt_stable[self._pending_chars:] or self._decode([alt])
+        if unfinished:
+            self._pending.append(token_id)
+            self._pending_chars = len(stable)
         else:
-            prefix = self._decode(self._window) if self._window else ""
-            text = self._in_context(prefix, token_id)
-            texts = {t: (text if t == token_id else self._in_context(prefix, t)) for t in alternatives}
-        self._window = [*self._window, token_id][-_CONTEXT:]
-        return text, texts
-
-    def visible_length(self, token_id: int, text: str, skip_special_tokens: bool) -> int:
-        """How many characters of the response text this token accounts for."""
-        if skip_special_tokens and token_id in self._special:
-            return 0
+            self._committed = [*self._committed, *self._pending, token_id][-_CONTEXT:]
+            self._pending, self._pending_chars = [], 0
+        visible = 0 if (self._skip_special and token_id in self._special) else len(text)
         if self._as_ids:
-            return len(self._decode([token_id]))
-        return len(text)
+            text = f"token_id:{token_id}"
+            alt_texts[token_id] = text
+        elif not text and unfinished:
+            text = self.bytes_repr(token_id)
+            if token_id in alt_texts:
+                alt_texts[token_id] = text
+        return text, visible, alt_texts
+
+    def raw_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own bytes (a partial UTF-8 sequence for byte tokens), for chat `bytes`."""
+        piece = self._tokenizer.convert_ids_to_tokens([token_id])[0]
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return [int(piece[3:5], 16)]  # SentencePiece byte fallback
+                except ValueError:
+                    pass
+            if self._byte_level and token_id not in self._special and all(c in _BYTE_LEVEL for c in piece):
+                return [_BYTE_LEVEL[c] for c in piece]
+        if text.startswith("token_id:") or text.startswith("bytes:"):
+            text = self._decode([token_id])
+        return list(text.encode("utf-8"))
+
+    def bytes_repr(self, token_id: int) -> str:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in self.raw_bytes(token_id, ""))
 
 
 class CompletionLogprobs:
     """Completions shape: text_offset / token_logprobs / tokens / top_logprobs, per choice."""
 
-    def __init__(self, decoder: TokenDecoder, num_top: int, skip_special_tokens: bool, offset: int = 0) -> None:
+    def __init__(self, decoder: TokenDecoder, num_top: int, offset: int = 0) -> None:
         self._decoder = decoder
         self._num_top = num_top
-        self._skip_special = skip_special_tokens
         self.offset = offset
 
     def _entry(self, out: dict[str, list[Any]], token_id: int, entry: TokenLogprobs | None) -> None:
         if entry is None:
-            text, _ = self._decoder.step(token_id)
+            text, visible, _ = self._decoder.step(token_id)
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:
             tops = entry.top_token_ids[: self._num_top]
-            text, texts = self._decoder.step(token_id, tops)
+            text, visible, texts = self._decoder.step(token_id, tops)
             top = {texts[t]: clean_logprob(lp) for t, lp in zip(tops, entry.top_logprobs, strict=False)}
             # The sampled token is always listed, even outside the top N (≤ N+1 keys).
             top.setdefault(text, clean_logprob(entry.logprob))
@@ -98,7 +157,7 @@ class CompletionLogprobs:
             out["top_logprobs"].append(top)
         out["tokens"].append(text)
         out["text_offset"].append(self.offset)
-        self.offset += self._decoder.visible_length(token_id, text, self._skip_special)
+        self.offset += visible
 
     def format(
         self, token_ids: list[int], entries: list[TokenLogprobs | None] | None
@@ -110,14 +169,6 @@ class CompletionLogprobs:
         return out
 
 
-def merge_completion_logprobs(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
-    merged: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    for part in parts:
-        for key, values in part.items():
-            merged[key].extend(values)
-    return merged
-
-
 class ChatLogprobs:
     """Chat shape: {"content": [{"token","logprob","bytes","top_logprobs":[...]}]}, per choice."""
 
@@ -125,19 +176,18 @@ class ChatLogprobs:
         self._decoder = decoder
         self._num_top = num_top
 
-    @staticmethod
-    def _item(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": clean_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+    def _item(self, token_id: int, text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": clean_logprob(logprob), "bytes": self._decoder.raw_bytes(token_id, text)}
 
     def format(self, token_ids: list[int], entries: list[TokenLogprobs] | None) -> list[dict[str, Any]]:
         content = []
         for i, token_id in enumerate(token_ids):
             entry = entries[i] if entries is not None and i < len(entries) else None
             tops = entry.top_token_ids[: self._num_top] if entry is not None else []
-            text, texts = self._decoder.step(token_id, tops)
-            item = self._item(text, entry.logprob if entry is not None else float("nan"))
+            text, _, texts = self._decoder.step(token_id, tops)
+            item = self._item(token_id, text, entry.logprob if entry is not None else float("nan"))
             lps = entry.top_logprobs if entry is not None else []
-            item["top_logprobs"] = [self._item(texts[t], lp) for t, lp in zip(tops, lps, strict=False)]
+            item["top_logprobs"] = [self._item(t, texts[t], lp) for t, lp in zip(tops, lps, strict=False)]
             content.append(item)
         return content
 

@@ -126,13 +126,15 @@ def render_chat(
         kwargs["tools"] = tools
     if documents:
         kwargs["documents"] = documents
-    template = chat_template or engine.model_config.chat_template
+    if chat_template is not None and "{{" not in chat_template and "{%" not in chat_template:
+        # A request's template is always literal Jinja: never let a client name a server file.
+        raise bad_request("chat_template must be a Jinja template string", "chat_template")
     try:
         return engine.tokenizer.apply_chat_template(
             messages_for_template(messages),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template=template,
+            chat_template=chat_template,
             **kwargs,
         )
     except APIError:

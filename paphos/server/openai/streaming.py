@@ -59,6 +59,7 @@ class MergedOutputs:
     def __init__(
         self, engine: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams]
     ) -> None:
+        self._engine = engine
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._open = len(prompts)
         self._tasks = [
@@ -99,6 +100,9 @@ class MergedOutputs:
                 self._open -= 1
                 continue
             if isinstance(item, BaseException):
+                if self._engine.errored:
+                    # The step loop died: that is the server being unavailable, not this request.
+                    raise APIError(503, f"The engine is not running: {self._engine.error}") from item
                 raise item
             if item.error:
                 raise EngineRequestError(item.error)
