@@ -18,10 +18,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from paphos.config import ServerConfig
-from paphos.server.errors import BodySizeLimitMiddleware, error_response, install_error_handlers
 from paphos.server import metrics
-from paphos.server.openai import chat, completions, models, tokenize
+from paphos.server.errors import BodySizeLimitMiddleware, error_response, install_error_handlers
 from paphos.server.metrics import build_registry
+from paphos.server.openai import chat, completions, models, tokenize
 from paphos.server.state import EngineClient, ServerState, get_state
 from paphos.version import __version__
 

@@ -77,6 +77,12 @@ def load_worker(config: EngineConfig) -> Worker:
     config = config.with_max_model_len(max_model_len)
 
     device = resolve_device(model_config.device)
+    if config.cache.kv_cache_dtype != "auto":
+        # Accepted for Aphrodite compatibility, but only the GPU attention kernels read fp8 KV.
+        raise ConfigError(
+            f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not supported by the {device.type} "
+            "attention backend yet; use --kv-cache-dtype auto"
+        )
     dtype = resolve_dtype(model_config.dtype, source.hf_config, device)
     torch.manual_seed(model_config.seed)
     model_cls = resolve_model_class(source.hf_config)
