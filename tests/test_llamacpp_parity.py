@@ -6,7 +6,7 @@ llama-cpp-python (so this test needs no compiler):
 - `golden/smollm2_llamacpp_f32.json`: llama.cpp on the GGUF dequantized to F32 (F32 KV cache).
   Same weights as Paphos' float32 path, llama.cpp's graph. The parity bar: greedy continuations
   identical on >= 90% of prompts, teacher-forced top-1 agreement >= 98%, mean |delta logprob| of
-  the actual next token <= 0.05.
+  the actual next token <= 0.01 (measured: 21/21, 100%, < 1e-4).
 - `golden/smollm2_llamacpp.json`: llama.cpp on the Q4_1 file as users run it. Its CPU kernels round
   activations to 8 bits (Q8_1) before every Q4_1 matmul and keep K/V in F16, so it differs from
   *any* float32 computation on the same weights, its own F32 run included (about 96% top-1
@@ -41,7 +41,7 @@ F32_GOLDEN = GOLDEN_DIR / "smollm2_llamacpp_f32.json"
 # Against llama.cpp's F32 run.
 GREEDY_MATCH_MIN = 0.90
 TOP1_AGREEMENT_MIN = 0.98
-MEAN_ABS_LOGPROB_DELTA_MAX = 0.05
+MEAN_ABS_LOGPROB_DELTA_MAX = 0.01
 # Against llama.cpp's Q4_1 run: slack over the distance between llama.cpp's own F32 and Q4_1 runs.
 QUANT_TOP1_SLACK = 0.01
 QUANT_DELTA_FACTOR = 1.15

@@ -219,6 +219,8 @@ class LlamaForCausalLM(nn.Module):
             dtype,
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
         )
+        # A quant method for the head too (llama.cpp rounds its input like any matmul's); None = F.linear.
+        self.lm_head_method = _method(quant_config, "lm_head")
 
     @classmethod
     def biases(cls, config: Any) -> tuple[bool, bool, bool]:
@@ -240,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] of the rows that sample -> fp32 logits [R, vocab]."""
+        if self.lm_head_method is not None:
+            return self.lm_head_method.apply(self.lm_head, hidden).float()  # type: ignore[arg-type]
         return self.lm_head(hidden)
 
     # ---------------------------------------------------------------- weight loading
@@ -285,3 +289,5 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.quant_method.process_weights_after_loading(module)
+        if self.lm_head_method is not None:
+            self.lm_head_method.process_weights_after_loading(self.lm_head)  # type: ignore[arg-type]

@@ -69,14 +69,15 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         greedy = logits.argmax(dim=-1) if not md.all_random else None
         probs = self._chain(logits, md).softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (a Gumbel-max variant that
-        # needs one random number per token and no cumulative sums).
-        noise = torch.empty_like(probs)
-        if len(md.generators) < md.num_rows:
-            noise.exponential_()
+        # Inverse-CDF sampling: one uniform number per row (a seeded row draws it from its own
+        # generator), so a row costs a cumsum and a binary search, not a random number per token.
+        uniform = torch.rand(md.num_rows, 1, device=probs.device)
         for row, generator in md.generators.items():
-            noise[row].exponential_(generator=generator)
-        sampled = probs.div_(noise).argmax(dim=-1)
+            uniform[row] = torch.rand(1, generator=generator, device=probs.device)
+        cdf = probs.cumsum_(dim=-1)
+        # right=True: a token of zero probability repeats its predecessor's cdf and is never hit.
+        sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        sampled = sampled.clamp_(max=probs.shape[-1] - 1)
         if greedy is not None:
             sampled = torch.where(md.greedy_rows, greedy, sampled)
         return sampled

@@ -16,6 +16,7 @@ from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.config import ConfigError, EngineConfig
 from paphos.loader import load_model_source
 from paphos.models.registry import resolve_model_class
+from paphos.quant.gguf import quant_config_for_source
 from paphos.tokenizer import Tokenizer
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
@@ -86,8 +87,13 @@ def load_worker(config: EngineConfig) -> Worker:
     dtype = resolve_dtype(model_config.dtype, source.hf_config, device)
     torch.manual_seed(model_config.seed)
     model_cls = resolve_model_class(source.hf_config)
+    # GGUF on CPU: llama.cpp-compatible activation rounding (proposed ModelConfig.gguf_numerics).
+    numerics = getattr(model_config, "gguf_numerics", "auto")
+    quant_config = quant_config_for_source(source, device, dtype, numerics)
     with torch.device(device):
-        model = model_cls(source.hf_config, dtype=dtype, attn_backend=TorchReferenceBackend())
+        model = model_cls(
+            source.hf_config, dtype=dtype, attn_backend=TorchReferenceBackend(), quant_config=quant_config
+        )
     source.load_into(model, seed=model_config.seed)
     model.eval()
 
