@@ -182,8 +182,15 @@ def run_server(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[
             t0 = time.monotonic()
             wait_ready(server, proc, args.startup_timeout)
             startup_s = time.monotonic() - t0
+            load_before = os.getloadavg()[0]
+            if load_before > 0.5:
+                print(f"warning: load average {load_before:.2f} before measuring: other work shares the CPU")
             result = asyncio.run(measure(server, args))
             result["startup_s"] = startup_s
+            # Other processes on the box skew CPU numbers; the 1-minute load average (the server
+            # itself included while it works) is kept to spot that afterwards.
+            result["loadavg_1m_before"] = load_before
+            result["loadavg_1m_after"] = os.getloadavg()[0]
         finally:
             stop(proc)
     result["cmd"] = server.cmd
@@ -227,6 +234,11 @@ def build_servers(args: argparse.Namespace, model: str) -> list[Server]:
     return servers
 
 
+def _load_pair(result: dict[str, Any]) -> str:
+    before, after = result.get("loadavg_1m_before"), result.get("loadavg_1m_after")
+    return "-" if before is None or after is None else f"{before:.1f} / {after:.1f}"
+
+
 def comparison_table(results: dict[str, dict[str, Any]], concurrency: list[int]) -> str:
     names = list(results)
     rows: list[tuple[str, list[str]]] = []
@@ -247,6 +259,7 @@ def comparison_table(results: dict[str, dict[str, Any]], concurrency: list[int])
     rows.append(("single-stream decode tok/s", [fmt(results[n]["decode_tok_s"]) for n in names]))
     rows.append(("single-stream prefill tok/s", [fmt(results[n]["prefill_tok_s"]) for n in names]))
     rows.append(("startup s", [fmt(results[n].get("startup_s")) for n in names]))
+    rows.append(("load avg before / after", [_load_pair(results[n]) for n in names]))
     width = max(len(r[0]) for r in rows) + 2
     col = max(14, *(len(n) + 2 for n in names))
     lines = [f"{'metric':<{width}}" + "".join(f"{n:>{col}}" for n in names)]

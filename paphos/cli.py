@@ -208,16 +208,19 @@ def _chat_template(value: str | None) -> str | None:
 def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """Namespace -> validated configs; raises ConfigError naming the flag."""
     model = args.model_positional or args.model
+    served_names = tuple(args.served_model_name or ())
     if not model:
-        from paphos.default_model import default_model_path
+        from paphos.default_model import DEFAULT_SERVED_NAME, default_model_path
 
         model = str(default_model_path())
+        # A cache path is a poor model id for clients; the bundled model gets a stable name.
+        served_names = served_names or (DEFAULT_SERVED_NAME,)
     max_model_len = parse_max_model_len(args.max_model_len)
     batched = args.max_num_batched_tokens
     if batched is None:
         batched = 2048 if args.enable_chunked_prefill else max(max_model_len or 2048, 2048)
     model_config = ModelConfig(
-        model=model, tokenizer=args.tokenizer, served_model_name=tuple(args.served_model_name or ()),
+        model=model, tokenizer=args.tokenizer, served_model_name=served_names,
         dtype=args.dtype, max_model_len=max_model_len, load_format=args.load_format, seed=args.seed,
         chat_template=_chat_template(args.chat_template), max_logprobs=args.max_logprobs, device=args.device,
         enforce_eager=args.enforce_eager,

