@@ -93,6 +93,63 @@ def eos_ids_of(gguf_path: str) -> list[int]:
     return sorted(ids)
 
 
+@dataclass
+class CpuSnapshot:
+    wall_s: float
+    busy_s: float  # all CPUs, from /proc/stat
+    server_s: float  # the server's process tree (all threads)
+    self_s: float  # this client process
+
+
+def _proc_tree_cpu_ticks(root: int) -> int:
+    """utime + stime of `root` and all its live descendants, in clock ticks."""
+    ticks: dict[int, int] = {}
+    parent: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        ticks[pid] = int(fields[11]) + int(fields[12])
+    total = 0
+    for pid, t in ticks.items():
+        p, seen = pid, 0
+        while p > 1 and seen < 64 and p != root:
+            p, seen = parent.get(p, 0), seen + 1
+        if p == root:
+            total += t
+    return total
+
+
+def cpu_snapshot(pid: int) -> CpuSnapshot | None:
+    """CPU seconds so far: whole machine, the server's process tree, and us (Linux /proc only)."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal (guest time is already inside user)
+        busy = sum(fields[:8]) - fields[3] - fields[4]
+        server = _proc_tree_cpu_ticks(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+    own = os.times()
+    return CpuSnapshot(time.monotonic(), busy / tick, server / tick, own.user + own.system)
+
+
+def other_cpu_share(a: CpuSnapshot | None, b: CpuSnapshot | None) -> float | None:
+    """Share of the machine's CPU time that neither the server nor this client used between a and b:
+    other work on the box, which skews a CPU benchmark."""
+    if a is None or b is None or b.wall_s <= a.wall_s:
+        return None
+    other = (b.busy_s - a.busy_s) - (b.server_s - a.server_s) - (b.self_s - a.self_s)
+    return max(0.0, other / ((b.wall_s - a.wall_s) * (os.cpu_count() or 1)))
+
+
 def wait_ready(server: Server, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -182,15 +239,12 @@ def run_server(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[
             t0 = time.monotonic()
             wait_ready(server, proc, args.startup_timeout)
             startup_s = time.monotonic() - t0
-            load_before = os.getloadavg()[0]
-            if load_before > 0.5:
-                print(f"warning: load average {load_before:.2f} before measuring: other work shares the CPU")
+            before = cpu_snapshot(proc.pid)
             result = asyncio.run(measure(server, args))
             result["startup_s"] = startup_s
-            # Other processes on the box skew CPU numbers; the 1-minute load average (the server
-            # itself included while it works) is kept to spot that afterwards.
-            result["loadavg_1m_before"] = load_before
-            result["loadavg_1m_after"] = os.getloadavg()[0]
+            result["other_cpu_share"] = other_cpu_share(before, cpu_snapshot(proc.pid))
+            if (result["other_cpu_share"] or 0.0) > 0.05:
+                print(f"warning: other processes used {result['other_cpu_share']:.0%} of the CPU meanwhile")
         finally:
             stop(proc)
     result["cmd"] = server.cmd
@@ -234,9 +288,9 @@ def build_servers(args: argparse.Namespace, model: str) -> list[Server]:
     return servers
 
 
-def _load_pair(result: dict[str, Any]) -> str:
-    before, after = result.get("loadavg_1m_before"), result.get("loadavg_1m_after")
-    return "-" if before is None or after is None else f"{before:.1f} / {after:.1f}"
+def _share(result: dict[str, Any]) -> str:
+    share = result.get("other_cpu_share")
+    return "-" if share is None else f"{share:.0%}"
 
 
 def comparison_table(results: dict[str, dict[str, Any]], concurrency: list[int]) -> str:
@@ -259,7 +313,7 @@ def comparison_table(results: dict[str, dict[str, Any]], concurrency: list[int])
     rows.append(("single-stream decode tok/s", [fmt(results[n]["decode_tok_s"]) for n in names]))
     rows.append(("single-stream prefill tok/s", [fmt(results[n]["prefill_tok_s"]) for n in names]))
     rows.append(("startup s", [fmt(results[n].get("startup_s")) for n in names]))
-    rows.append(("load avg before / after", [_load_pair(results[n]) for n in names]))
+    rows.append(("CPU used by other processes", [_share(results[n]) for n in names]))
     width = max(len(r[0]) for r in rows) + 2
     col = max(14, *(len(n) + 2 for n in names))
     lines = [f"{'metric':<{width}}" + "".join(f"{n:>{col}}" for n in names)]

@@ -16,6 +16,7 @@ from typing import Any
 
 from paphos.config import (
     DTYPES,
+    GGUF_NUMERICS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     CacheConfig,
@@ -117,6 +118,9 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(mdl, "--chat-template", metavar="TEMPLATE",
          help="Jinja chat template, or a path to a file holding one (default: the tokenizer's)")
     _add(mdl, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    _add(mdl, "--gguf-numerics", choices=GGUF_NUMERICS, default="float",
+         help="matmuls with quantized GGUF weights: float (float32 activations, the accurate result; "
+              "default) or llamacpp (round activations to 8 bits as llama.cpp's CPU backend does)")
     cache = parser.add_argument_group("KV cache")
     _add(cache, "--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     _add(cache, "--enable-prefix-caching", "--context-shift", dest="enable_prefix_caching", type=parse_bool,
@@ -223,7 +227,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         model=model, tokenizer=args.tokenizer, served_model_name=served_names,
         dtype=args.dtype, max_model_len=max_model_len, load_format=args.load_format, seed=args.seed,
         chat_template=_chat_template(args.chat_template), max_logprobs=args.max_logprobs, device=args.device,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, gguf_numerics=args.gguf_numerics,
     )
     cache = CacheConfig(
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# How matmuls with GGUF-quantized weights round their activations (see paphos/quant/gguf).
+GGUF_NUMERICS = ("float", "llamacpp")
 
 
 class ConfigError(ValueError):
@@ -32,6 +34,7 @@ class ModelConfig:
     max_logprobs: int = 20
     device: str = "auto"
     enforce_eager: bool = False
+    gguf_numerics: str = "float"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +45,10 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.gguf_numerics not in GGUF_NUMERICS:
+            raise ConfigError(
+                f"--gguf-numerics must be one of {', '.join(GGUF_NUMERICS)}, got {self.gguf_numerics!r}"
+            )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
 

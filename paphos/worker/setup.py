@@ -87,9 +87,8 @@ def load_worker(config: EngineConfig) -> Worker:
     dtype = resolve_dtype(model_config.dtype, source.hf_config, device)
     torch.manual_seed(model_config.seed)
     model_cls = resolve_model_class(source.hf_config)
-    # GGUF on CPU: llama.cpp-compatible activation rounding (proposed ModelConfig.gguf_numerics).
-    numerics = getattr(model_config, "gguf_numerics", "auto")
-    quant_config = quant_config_for_source(source, device, dtype, numerics)
+    # Quantized GGUF weights: float32 numerics, or llama.cpp's activation rounding on request
+    quant_config = quant_config_for_source(source, model_config.gguf_numerics)
     with torch.device(device):
         model = model_cls(
             source.hf_config, dtype=dtype, attn_backend=TorchReferenceBackend(), quant_config=quant_config

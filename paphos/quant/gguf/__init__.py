@@ -2,10 +2,9 @@
 of ggml-cpu's activation quantization (`activations.py`)."""
 
 from paphos.quant.gguf.llamacpp import (
-    NUMERICS_MODES,
     LlamaCppLinearMethod,
     LlamaCppQuantConfig,
     quant_config_for_source,
 )
 
-__all__ = ["NUMERICS_MODES", "LlamaCppLinearMethod", "LlamaCppQuantConfig", "quant_config_for_source"]
+__all__ = ["LlamaCppLinearMethod", "LlamaCppQuantConfig", "quant_config_for_source"]

@@ -1,6 +1,6 @@
 """llama.cpp-compatible CPU numerics for GGUF checkpoints: a `QuantConfig` and its linear method.
 
-Data flow: worker setup -> `quant_config_for_source` (GGUF file, device, requested mode) ->
+Data flow: worker setup -> `quant_config_for_source` (GGUF source, requested mode) ->
 `LlamaCppQuantConfig` -> the model asks `get_linear_method(prefix)` for each linear layer (and
 for 'lm_head') -> `LlamaCppLinearMethod`: the weight is loaded dequantized to float32 as usual;
 `process_weights_after_loading` reads the per-block minima it also needs from the file; `apply`
@@ -10,16 +10,22 @@ rounds the activations the way ggml-cpu does before its integer dot products
 Why: llama.cpp's CPU kernels never multiply float activations with a quantized weight. Every
 matmul first quantizes the activation rows to the weight type's `vec_dot_type` (Q8_0, Q8_1, Q8_K,
 F16), and for Q4_1/Q5_1 adds the block minimum times a separately fp16-rounded activation block
-sum. That rounding is what separates llama.cpp's logits from a float32 run on the same weights
-(about 0.05 logit per position on SmolLM2-135M Q4_1, 0.046 of it from the Q8_0 rounding of the
-output projection's input alone), so an engine that wants llama.cpp's outputs on a GGUF file must
-reproduce it. With it, every op of a decoder layer matches llama.cpp to float32 rounding noise
-(the remaining differences are summation order, amplified where a value lands near a rounding
-boundary of the next activation quantization).
+sum. With this method each linear layer (output projection included) reproduces llama.cpp's
+result on the same input up to float32 summation order (~1e-7 relative, checked against tensors
+dumped from llama.cpp in tests/quant).
+
+What it does not buy: llama.cpp's Q4_1 forward pass is chaotic at the level of summation order.
+A one-ulp difference moves some activation across a rounding boundary of the next quantization
+(or of the f16 attention operands), and the flips cascade: llama.cpp against itself, fed the
+prompt token by token instead of in one batch (only the attention and output matmuls change
+their reduction order), differs by 0.047 mean |delta logprob|, 97.2% top-1 agreement, 12 of 21
+identical greedy continuations. This mode measures the same distance to llama.cpp as float32 does
+(~0.06, ~96%); only outputs near the start of a sequence get closer (position 0 logits: 0.047 ->
+0.012 mean |delta| with f16 attention rounding). Matching llama.cpp token for token needs kernels
+that also reproduce ggml's reduction order (tests/quant/ggml_reference_ops.py specifies the elementwise side).
 
 Scope: weights stay float32 in memory (native quantized kernels are separate work); the
-embedding lookup needs nothing (ggml's get_rows dequantizes exactly as `gguf` does); attention
-and norms are untouched (see the report of issue-level findings for f16 KV rounding).
+embedding lookup needs nothing (ggml's get_rows dequantizes exactly as `gguf` does).
 """
 
 from __future__ import annotations
@@ -42,7 +48,6 @@ from paphos.quant.gguf.activations import TYPES_WITH_BLOCK_MIN, activation_forma
 
 logger = logging.getLogger(__name__)
 
-NUMERICS_MODES = ("auto", "llamacpp", "float")
 
 # Our merged layers -> the checkpoint projections they hold, in output order (the model's
 # stacking, as vLLM's `packed_modules_mapping`).
@@ -79,8 +84,22 @@ class LlamaCppLinearMethod:
         self.names = names
         self.tensors = tensors
         self.head_dim = head_dim
-        self.segments: list[_Segment] = []
+        self.segments = self._segments(tensors)
         self._float = UnquantizedLinearMethod()
+
+    @staticmethod
+    def _segments(tensors: list[GGUFTensor]) -> list[_Segment]:
+        """Adjacent shards that round their input alike share a segment (one GEMM)."""
+        segments: list[_Segment] = []
+        start = 0
+        for t in tensors:
+            fmt, n = activation_format(t.tensor_type.name), t.shape[0]
+            if segments and segments[-1].fmt == fmt:
+                segments[-1] = _Segment(segments[-1].start, start + n, fmt)
+            else:
+                segments.append(_Segment(start, start + n, fmt))
+            start += n
+        return segments
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype
@@ -96,17 +115,6 @@ class LlamaCppLinearMethod:
                 f"{'+'.join(self.names)}: GGUF shapes {[list(t.shape) for t in self.tensors]} do not "
                 f"make the layer's weight {list(weight.shape)}"
             )
-        segments: list[_Segment] = []
-        start = 0
-        for t, n in zip(self.tensors, rows, strict=True):
-            fmt = activation_format(t.tensor_type.name)
-            if segments and segments[-1].fmt == fmt:
-                segments[-1] = _Segment(segments[-1].start, start + n, fmt)
-            else:
-                segments.append(_Segment(start, start + n, fmt))
-            start += n
-        self.segments = segments
-
         if any(t.tensor_type.name in TYPES_WITH_BLOCK_MIN for t in self.tensors):
             mins = torch.zeros(weight.shape[0], weight.shape[1] // 32, dtype=torch.float32)
             start = 0
@@ -193,7 +201,9 @@ class LlamaCppQuantConfig:
             return ["model.embed_tokens.weight"]
         parent, _, leaf = prefix.rpartition(".")
         if leaf in PACKED_MODULES:
-            return [f"{parent}.{part}.weight" if parent else f"{part}.weight" for part in PACKED_MODULES[leaf]]
+            return [
+                f"{parent}.{part}.weight" if parent else f"{part}.weight" for part in PACKED_MODULES[leaf]
+            ]
         return [f"{prefix}.weight"]
 
     def get_linear_method(self, prefix: str) -> LlamaCppLinearMethod | None:
@@ -208,21 +218,15 @@ class LlamaCppQuantConfig:
         return LlamaCppLinearMethod(names, tensors, self.head_dim)
 
 
-def quant_config_for_source(
-    source: Any, device: torch.device, dtype: torch.dtype, numerics: str = "auto"
-) -> LlamaCppQuantConfig | None:
-    """The quant config for the proposed `--gguf-numerics {auto,llamacpp,float}` setting.
+def quant_config_for_source(source: Any, numerics: str = "float") -> LlamaCppQuantConfig | None:
+    """The quant config for the `--gguf-numerics {float,llamacpp}` setting.
 
-    'llamacpp': reproduce llama.cpp's CPU arithmetic on a GGUF file's quantized weights (activation
-    rounding before every matmul), so outputs track llama.cpp's rather than a float32 run's.
-    'float': multiply float32 activations with the dequantized weights (the accurate result).
-    'auto': 'llamacpp' for a GGUF checkpoint run in float32 on the CPU, where llama.cpp is the
-    reference users compare against; 'float' otherwise. Non-GGUF sources always get None.
+    'float' (default): float32 activations times the dequantized weights, the accurate result
+    (matches llama.cpp run on the F32-dequantized file); no quant config.
+    'llamacpp': round activations as llama.cpp's CPU backend does before every matmul of a
+    quantized GGUF weight (see the module docstring for what that does and does not reproduce).
+    Sources that are not GGUF files get None either way.
     """
-    if numerics not in NUMERICS_MODES:
-        raise ValueError(f"gguf numerics must be one of {', '.join(NUMERICS_MODES)}, got {numerics!r}")
-    if getattr(source, "load_format", None) != "gguf" or numerics == "float":
-        return None
-    if numerics == "auto" and (device.type != "cpu" or dtype != torch.float32):
+    if numerics == "float" or getattr(source, "load_format", None) != "gguf":
         return None
     return LlamaCppQuantConfig.from_gguf(source.path, source.hf_config)
