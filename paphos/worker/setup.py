@@ -52,8 +52,11 @@ def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.d
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        # Half precision on CPUs without matrix units is slower and less exact than float32.
-        return torch.float32
+        # With native bf16 dot products (AVX512-BF16, AMX) bf16 halves the memory traffic that bounds
+        # decode and doubles GEMM throughput (measured 2x decode, 2.3x prefill on SmolLM2); without
+        # them bf16 is emulated and slower than float32.
+        native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        return torch.bfloat16 if native_bf16 else torch.float32
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return torch.float16 if config_dtype == torch.float16 else torch.bfloat16
 

@@ -94,7 +94,7 @@ def test_every_scheduled_token_matches_hf_with_chunking_prefix_hits_and_preempti
     # A budget of 24 tokens chunks every longer prompt and mixes chunks with decode rows; 24 blocks
     # of 4 tokens cannot hold the 8 sequences at once, so the scheduler must preempt.
     engine = LLMEngine(build_engine_config(
-        str(path), max_model_len=256, max_num_batched_tokens=24, block_size=4, num_gpu_blocks_override=40,
+        str(path), dtype="float32", max_model_len=256, max_num_batched_tokens=24, block_size=4, num_gpu_blocks_override=40,
     ))
     recorder = LogitRecorder(engine, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -130,9 +130,9 @@ def test_preemption_and_resume_give_the_same_greedy_outputs(tiny_model) -> None:
     path, _ = tiny_model("llama")
     prompts = make_prompts(8, seed=3, shared_prefix=[])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    roomy = LLMEngine(build_engine_config(str(path), max_model_len=256, block_size=4))
+    roomy = LLMEngine(build_engine_config(str(path), dtype="float32", max_model_len=256, block_size=4))
     tight = LLMEngine(build_engine_config(
-        str(path), max_model_len=256, block_size=4, num_gpu_blocks_override=30, enable_prefix_caching=False,
+        str(path), dtype="float32", max_model_len=256, block_size=4, num_gpu_blocks_override=30, enable_prefix_caching=False,
     ))
     assert run_engine(roomy, prompts, params, "r") == {
         k.replace("t", "r"): v for k, v in run_engine(tight, prompts, params, "t").items()

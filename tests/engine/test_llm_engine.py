@@ -12,7 +12,7 @@ from paphos.sampling_params import ParamError, SamplingParams
 @pytest.fixture
 def llm(tiny_model) -> LLM:
     path, _ = tiny_model("llama")
-    return LLM(str(path), max_model_len=128, block_size=4)
+    return LLM(str(path), dtype="float32", max_model_len=128, block_size=4)
 
 
 def greedy_text(llm: LLM, prompt: str, **kwargs) -> str:
@@ -92,7 +92,7 @@ def test_validation_names_the_field(llm: LLM) -> None:
 
 def test_abort_frees_every_block(tiny_model) -> None:
     path, _ = tiny_model("llama")
-    engine = LLMEngine(build_engine_config(str(path), max_model_len=128, block_size=4))
+    engine = LLMEngine(build_engine_config(str(path), dtype="float32", max_model_len=128, block_size=4))
     for i in range(4):
         engine.add_request(str(i), [3 + i] * (10 + i), SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
