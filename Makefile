@@ -22,7 +22,7 @@ serve: $(STAMP)
 	$(VENV)/bin/paphos run $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check paphos tests benchmarks scripts
