@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -245,13 +247,17 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler), server
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     import uvicorn
 
     from paphos.engine.async_engine import AsyncEngine
     from paphos.server.app import build_app
 
-    engine = AsyncEngine(engine_config)
+    engine = AsyncEngine(engine_config, own_step_thread=False)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -267,7 +273,21 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         # Open SSE streams would otherwise hold Ctrl-C until they finish.
         timeout_graceful_shutdown=5,
     ))
-    server.run()
+    # uvicorn serves from a thread of its own; the step loop keeps the main thread, where torch's
+    # OpenMP kernels run fastest (see AsyncEngine.run_step_loop).
+    server_thread = threading.Thread(target=server.run, name="paphos-http")
+    signal.signal(signal.SIGTERM, _interrupt)
+    server_thread.start()
+    try:
+        engine.run_step_loop()
+        # After an engine failure the server stays up answering 503 until it is stopped.
+        while server_thread.is_alive():
+            server_thread.join(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        server_thread.join()
     if failed:
         print(f"paphos: error: the model failed to load: {failed[0]}", file=sys.stderr)
         return 1

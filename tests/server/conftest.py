@@ -1,4 +1,6 @@
-"""A deterministic fake engine and tokenizer for in-process HTTP tests (no model, no torch work).
+"""Fixtures of the server tests: the fake engine of `fakes.py` behind the app, and one real server.
+
+The fake engine and tokenizer are deterministic (no model, no torch work).
 
 Tokenizer: one token per ASCII character (id = code point); 0 <pad>, 1 <s> (BOS), 2 </s> (EOS);
 vocabulary 128. Engine: choice i generates chr(ord('a') + (step + i) % 26) each step until
@@ -9,163 +11,12 @@ first iteration, as the engine's own validation would).
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
-from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
 
-from paphos.config import ModelConfig, ServerConfig
-from paphos.core.scheduler_output import TokenLogprobs
-from paphos.outputs import CompletionOutput, RequestOutput
-from paphos.sampling_params import ParamError, SamplingParams
-from paphos.server.app import build_app
-
-SPECIAL = {0: "<pad>", 1: "<s>", 2: "</s>"}
-
-
-class FakeHF:
-    all_special_ids = [0, 1, 2]
-
-    def get_vocab(self) -> dict[str, int]:
-        vocab = {chr(i): i for i in range(3, 128)}
-        vocab.update({v: k for k, v in SPECIAL.items()})
-        return vocab
-
-
-class FakeTokenizer:
-    bos_token_id = 1
-    eos_token_id = 2
-    vocab_size = 128
-    hf = FakeHF()
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = []
-        i = 0
-        while i < len(text):
-            for tid, tok in SPECIAL.items():
-                if text.startswith(tok, i):
-                    ids.append(tid)
-                    i += len(tok)
-                    break
-            else:
-                code = ord(text[i])
-                ids.append(code if 3 <= code < 128 else ord("?"))
-                i += 1
-        return [self.bos_token_id, *ids] if add_special_tokens else ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(
-            ("" if skip_special_tokens else SPECIAL[i]) if i in SPECIAL else chr(i) for i in ids
-        )
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [SPECIAL.get(i, chr(i)) for i in ids]
-
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        continue_final_message: bool = False, chat_template: str | None = None, **kwargs: Any,
-    ) -> str:
-        if chat_template and "BROKEN" in chat_template:
-            raise ValueError("template syntax error")
-        prefix = chat_template or ""
-        extra = "".join(f"[{k}={v}]" for k, v in sorted(kwargs.items()) if k != "tools")
-        text = prefix + extra + "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        if continue_final_message:
-            text = text[:-1]
-        if add_generation_prompt:
-            text += "<assistant>"
-        return text
-
-
-def _token(step: int, index: int) -> int:
-    return ord("a") + (step + index) % 26
-
-
-def _logprobs(token: int, step: int, k: int) -> TokenLogprobs:
-    # Even steps: the sampled token is rank 2, so a top-1 list does not contain it.
-    alts = [token + 1, token] if step % 2 == 0 else [token, token + 1]
-    alts += [ord("A") + j for j in range(max(0, k - 2))]
-    top_ids = alts[:k]
-    top_lps = [-0.5 - 0.25 * j for j in range(len(top_ids))]
-    if len(top_lps) >= 3:
-        top_lps[-1] = float("-inf")
-    rank = 2 if step % 2 == 0 else 1
-    return TokenLogprobs(token, -0.75 if rank == 2 else -0.5, rank, top_ids, top_lps)
-
-
-class FakeEngine:
-    def __init__(self, max_model_len: int = 256, ready_on_start: bool = True) -> None:
-        self.is_ready = False
-        self.errored = False
-        self.error: BaseException | None = None
-        self.tokenizer = FakeTokenizer()
-        self.vocab_size = 128
-        self.max_model_len = max_model_len
-        self.model_config = ModelConfig(model="/models/fake", max_logprobs=20)
-        self.hold = not ready_on_start
-        self.fail_start: BaseException | None = None
-        self.calls: list[tuple[str, list[int], SamplingParams]] = []
-        self.aborted: list[str] = []
-        self.completed: list[str] = []
-        self.shut_down = False
-
-    async def start(self) -> None:
-        while self.hold:
-            await asyncio.sleep(0.005)
-        if self.fail_start is not None:
-            self.errored, self.error = True, self.fail_start
-            raise self.fail_start
-        self.is_ready = True
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        self.calls.append((request_id, list(prompt_token_ids), dataclasses.replace(params)))
-        text = self.tokenizer.decode(prompt_token_ids)
-        if "KVFULL" in text:
-            raise ParamError("prompt", "the request needs more KV blocks than the cache holds")
-        done = False
-        try:
-            for step in range(params.max_tokens):
-                if "RAISE" in text and step == 2:
-                    raise RuntimeError("boom")
-                if "ERRFIELD" in text and step == 1:
-                    yield RequestOutput(request_id, prompt_token_ids, [], True, error="sampler exploded")
-                    done = True
-                    return
-                await asyncio.sleep(0.02 if "SLOW" in text else 0)
-                finish = "length" if step == params.max_tokens - 1 else None
-                outs = []
-                for i in range(params.n):
-                    token = _token(step, i)
-                    lps = [_logprobs(token, step, params.logprobs)] if params.logprobs is not None else None
-                    outs.append(CompletionOutput(i, chr(token), [token], lps, -0.5 * (step + 1), step + 1, finish))
-                prompt_lps = None
-                if step == 0 and params.prompt_logprobs is not None:
-                    k = params.prompt_logprobs
-                    prompt_lps = [None] + [
-                        TokenLogprobs(t, -1.0, 3, [ord("x"), ord("y"), ord("z")][:k], [-0.1, -0.2, -0.3][:k])
-                        for t in prompt_token_ids[1:]
-                    ]
-                yield RequestOutput(request_id, prompt_token_ids, outs, finish is not None, prompt_lps)
-            done = True
-        finally:
-            (self.completed if done else self.aborted).append(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def stats(self) -> dict[str, Any]:
-        return {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_used_blocks": 0}
-
-    async def shutdown(self) -> None:
-        self.shut_down = True
-
-
-def make_app(engine: FakeEngine, **server: Any):
-    config = ServerConfig(**{"max_n": 8, "disable_log_requests": True, **server})
-    return build_app(engine, config, ["fake-model", "alias"])
+from tests.server.fakes import FakeEngine, make_app
 
 
 @pytest.fixture
@@ -181,35 +32,6 @@ def client(engine: FakeEngine):
                 break
             time.sleep(0.005)
         yield c
-
-
-def assert_error_shape(response, status: int, type_: str | None = None, param: Any = ...) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert body["object"] == "error"
-    assert body["code"] == status
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    for key in ("message", "type", "param", "code"):
-        assert body["error"][key] == body[key]
-    assert isinstance(body["message"], str) and body["message"]
-    if type_ is not None:
-        assert body["type"] == type_
-    if param is not ...:
-        assert body["param"] == param
-    return body
-
-
-def sse_events(text: str) -> list[str]:
-    """Splits an SSE body into event payloads, checking the exact framing on the way."""
-    assert text.endswith("data: [DONE]\n\n"), text[-200:]
-    events = text.split("\n\n")
-    assert events[-1] == ""
-    payloads = []
-    for event in events[:-1]:
-        assert event.startswith("data: "), event
-        assert "\n" not in event
-        payloads.append(event[len("data: "):])
-    return payloads
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import sse_events
+from tests.server.fakes import sse_events
 
 USER = [{"role": "user", "content": "hi"}]
 

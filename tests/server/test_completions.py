@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import sse_events
+from tests.server.fakes import sse_events
 
 FORBIDDEN_CHUNK_KEYS = {"message", "error", "detail"}
 
@@ -106,8 +106,9 @@ def test_prompt_logprobs_field(client):
 
 
 def test_return_tokens_as_token_ids(engine):
-    from conftest import make_app
     from starlette.testclient import TestClient
+
+    from tests.server.fakes import make_app
 
     with TestClient(make_app(engine, return_tokens_as_token_ids=True)) as c:
         while not engine.is_ready:

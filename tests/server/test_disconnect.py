@@ -6,7 +6,8 @@ import asyncio
 import json
 
 import pytest
-from conftest import FakeEngine, make_app
+
+from tests.server.fakes import FakeEngine, make_app
 
 
 async def _call(app, path: str, body: bytes, disconnect_after: float | None, chunked: bool = False):

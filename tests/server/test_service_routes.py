@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from conftest import FakeEngine, assert_error_shape, make_app
 from starlette.testclient import TestClient
 
 from paphos.version import __version__
+from tests.server.fakes import FakeEngine, assert_error_shape, make_app
 
 
 def _wait(predicate, timeout=2.0):

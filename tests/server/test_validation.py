@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import assert_error_shape
+
+from tests.server.fakes import assert_error_shape
 
 GOOD = {"prompt": "hi", "max_tokens": 2}
 
