@@ -257,7 +257,7 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from paphos.engine.async_engine import AsyncEngine
     from paphos.server.app import build_app
 
-    engine = AsyncEngine(engine_config, own_step_thread=False)
+    engine = AsyncEngine(engine_config)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

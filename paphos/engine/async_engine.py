@@ -1,7 +1,7 @@
 """AsyncEngine: the server's view of the engine.
 
-The HTTP layer calls `generate()` from the event loop; a background thread runs `LLMEngine.step()`
-in a loop and hands each RequestOutput to the asyncio queue of its request. Only plain records
+The HTTP layer calls `generate()` from the event loop (uvicorn's thread); `run_step_loop()` runs
+`LLMEngine.step()` in the process's main thread and hands each RequestOutput to the asyncio queue of its request. Only plain records
 cross the boundary (request id, token ids, SamplingParams in; RequestOutput out; abort by id), so
 the loop can move to its own process later without changing callers. Closing a `generate()`
 iterator early (client gone) aborts the request, which frees its KV blocks in the next step.
@@ -25,15 +25,20 @@ from paphos.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+STAT_NAMES = (
+    "num_running", "num_waiting", "kv_usage", "num_used_blocks", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits",
+)
+
+
 class EngineDeadError(RuntimeError):
     """The step loop died; every pending and future request fails with this."""
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, *, own_step_thread: bool = True) -> None:
-        """own_step_thread=False: the caller runs `run_step_loop()` in a thread of its choice."""
+    def __init__(self, config: EngineConfig) -> None:
+        """The owner runs `run_step_loop()` in a thread of its choice (the CLI: the main thread)."""
         self.config = config
-        self._own_step_thread = own_step_thread
         self._loaded = threading.Event()
         self.is_ready = False
         self.errored = False
@@ -42,7 +47,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
     async def start(self) -> None:
@@ -54,9 +58,6 @@ class AsyncEngine:
             logger.exception("loading the model failed")
             self._fail(exc)
             return
-        if self._own_step_thread:
-            self._thread = threading.Thread(target=self._run, name="paphos-engine", daemon=True)
-            self._thread.start()
         self._loaded.set()
         self.is_ready = True
 
@@ -95,10 +96,7 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, float]:
         if self._engine is None:
-            return dict.fromkeys(
-                ("num_running", "num_waiting", "kv_usage", "num_used_blocks", "num_preemptions",
-                 "prefix_cache_queries", "prefix_cache_hits"), 0,
-            )
+            return dict.fromkeys(STAT_NAMES, 0)
         scheduler = self._engine.scheduler
         return {
             "num_running": scheduler.num_running,
@@ -146,8 +144,6 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         self._stopping.set()
         self._inbox.put(("wake", None))
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 10)
 
     def _run(self) -> None:
         engine = self.engine

@@ -8,6 +8,7 @@ Index arithmetic is vectorised with numpy per request, never per token.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,11 +102,10 @@ def build_step_inputs(
             rows = list(range(int(query_start[i]), int(query_start[i]) + last - start))
             prompt_rows[i] = (rows, state.token_ids[start + 1 : last + 1])
 
-    flat_tokens = [t for chunk in token_chunks for t in chunk]
     qsl = query_start.tolist()
     lens = seq_lens.tolist()
     metadata = AttentionMetadata(
-        num_tokens=len(flat_tokens),
+        num_tokens=int(query_start[-1]),
         query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
         block_tables=torch.from_numpy(block_tables).to(device),
@@ -117,7 +117,7 @@ def build_step_inputs(
     )
     return StepInputs(
         req_ids=req_ids,
-        input_ids=torch.tensor(flat_tokens, dtype=torch.long, device=device),
+        input_ids=torch.tensor(list(itertools.chain.from_iterable(token_chunks)), dtype=torch.long, device=device),
         positions=torch.from_numpy(np.concatenate(position_chunks)).to(device),
         attn_metadata=metadata,
         sampling_reqs=sampling_reqs,
