@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
+	# A KoboldCpp API client for the Kobold tests; its declared extras (image libraries) are not
+	# needed by its core client, whose imports (requests, aiohttp) the test extra carries.
+	$(PY) -m pip install --quiet --no-deps koboldapi==0.5.4
 	touch $(STAMP)
 
 install: $(STAMP)

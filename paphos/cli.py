@@ -9,7 +9,9 @@ app are built and uvicorn serves; the model loads in the background while /healt
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paphos.config import (
+    ATTENTION_BACKENDS,
     DTYPES,
     GGUF_NUMERICS,
     KV_CACHE_DTYPES,
@@ -30,6 +33,11 @@ from paphos.config import (
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# Contract §1.2: the env var gives the key only when --api-keys is absent; --admin-key wins over its.
+API_KEY_ENV = "APHRODITE_API_KEY"
+ADMIN_KEY_ENV = "APHRODITE_ADMIN_KEY"
+# Flags taking several values: a YAML file may give one as a plain string.
+_LIST_DESTS = frozenset({"served_model_name", "api_keys"})
 _SUFFIXES = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
 
 
@@ -61,6 +69,17 @@ def parse_bool(value: str | bool) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def parse_json_list(value: str) -> list[str]:
+    """CORS flags take a JSON list (`'["https://a.example"]'`), as Aphrodite's do."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}") from None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return items
 
 
 def _spellings(*flags: str) -> list[str]:
@@ -107,6 +126,35 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(srv, "--disable-log-requests", action="store_true", help="do not log each request")
     _add(srv, "--return-tokens-as-token-ids", action="store_true",
          help="spell logprob tokens as `token_id:N` (for tokens that are not valid text)")
+    _add(srv, "--disable-log-stats", action="store_true", help="no stats line (tokens/s, requests, KV use) every 10 s")
+    _add(srv, "--max-log-len", type=int, default=None, metavar="N",
+         help="prompt characters or token ids shown per logged request (default: all)")
+    _add(srv, "--launch-kobold-api", action="store_true",
+         help="accepted for compatibility: the KoboldAI API is always served under /api")
+    _add(srv, "--kobold-default-max-length", type=int, default=200, metavar="N",
+         help="Kobold `max_length` when a request gives none, and /api/v1/config/max_length (default 200)")
+    _add(srv, "--ssl-keyfile", metavar="FILE", help="TLS private key (serve HTTPS with --ssl-certfile)")
+    _add(srv, "--ssl-certfile", metavar="FILE", help="TLS certificate")
+    _add(srv, "--ssl-ca-certs", metavar="FILE", help="CA certificates for client certificates")
+    _add(srv, "--ssl-cert-reqs", type=int, default=0, metavar="N",
+         help="client certificate requirement (Python ssl.CERT_*: 0 none, 1 optional, 2 required; default 0)")
+    _add(srv, "--root-path", default="", metavar="PATH",
+         help="path prefix the server is mounted under behind a reverse proxy (e.g. /paphos)")
+    _add(srv, "--disable-fastapi-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
+    auth = parser.add_argument_group("auth and CORS")
+    _add(auth, "--api-keys", "--api-key", dest="api_keys", nargs="+", metavar="KEY",
+         help=f"keys accepted as `Authorization: Bearer KEY` or `X-API-Key: KEY` on /v1 and /api (default: "
+              f"${API_KEY_ENV} if set, else no auth)")
+    _add(auth, "--admin-key", metavar="KEY",
+         help=f"key for admin routes (adapter/model management), which are closed without one (default: "
+              f"${ADMIN_KEY_ENV})")
+    _add(auth, "--allowed-origins", type=parse_json_list, default=["*"], metavar="JSON",
+         help='CORS origins as a JSON list (default ["*"])')
+    _add(auth, "--allowed-methods", type=parse_json_list, default=["*"], metavar="JSON",
+         help='CORS methods as a JSON list (default ["*"])')
+    _add(auth, "--allowed-headers", type=parse_json_list, default=["*"], metavar="JSON",
+         help='CORS headers as a JSON list (default ["*"])')
+    _add(auth, "--allow-credentials", action="store_true", help="CORS: allow credentials")
     mdl = parser.add_argument_group("model")
     _add(mdl, "--model", help="HF-style directory, .gguf file (or first shard) or repo id")
     _add(mdl, "--tokenizer", help="tokenizer location (default: the model's)")
@@ -120,6 +168,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(mdl, "--chat-template", metavar="TEMPLATE",
          help="Jinja chat template, or a path to a file holding one (default: the tokenizer's)")
     _add(mdl, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    _add(mdl, "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+         help="paged attention kernels: triton, torch (the reference) or auto (default: triton on a GPU)")
     _add(mdl, "--gguf-numerics", choices=GGUF_NUMERICS, default="float",
          help="matmuls with quantized GGUF weights: float (float32 activations, the accurate result; "
               "default) or llamacpp (round activations to 8 bits as llama.cpp's CPU backend does)")
@@ -183,8 +233,10 @@ def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]
         dest = dests.get(str(key).replace("-", "_"))
         if dest is None or dest in ("config", "help"):
             raise ConfigError(f"--config: unknown flag {key!r} in {path}")
-        if dest == "served_model_name" and isinstance(value, str):
+        if dest in _LIST_DESTS and isinstance(value, str):
             value = [value]
+        elif dest.startswith("allowed_") and isinstance(value, str):
+            value = parse_json_list(value)
         defaults[dest] = value
     return defaults
 
@@ -230,6 +282,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         dtype=args.dtype, max_model_len=max_model_len, load_format=args.load_format, seed=args.seed,
         chat_template=_chat_template(args.chat_template), max_logprobs=args.max_logprobs, device=args.device,
         enforce_eager=args.enforce_eager, gguf_numerics=args.gguf_numerics,
+        attention_backend=args.attention_backend,
     )
     cache = CacheConfig(
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -240,9 +293,19 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
         enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_model_len or 2048,
     )
+    api_keys = args.api_keys
+    if api_keys is None:
+        api_keys = [os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []
     server = ServerConfig(
         host=args.host, port=args.port, uvicorn_log_level=args.uvicorn_log_level,
         disable_log_requests=args.disable_log_requests, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        api_keys=tuple(api_keys), admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        disable_log_stats=args.disable_log_stats, max_log_len=args.max_log_len,
+        kobold_default_max_length=args.kobold_default_max_length, ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+        root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
     )
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler), server
 
@@ -270,6 +333,9 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     app = build_app(engine, server_config, engine_config.model.served_names, on_engine_failure=on_failure)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.uvicorn_log_level,
+        ssl_keyfile=server_config.ssl_keyfile, ssl_certfile=server_config.ssl_certfile,
+        ssl_ca_certs=server_config.ssl_ca_certs, ssl_cert_reqs=server_config.ssl_cert_reqs,
+        root_path=server_config.root_path,
         # Open SSE streams would otherwise hold Ctrl-C until they finish.
         timeout_graceful_shutdown=5,
     ))

@@ -15,6 +15,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # How matmuls with GGUF-quantized weights round their activations (see paphos/quant/gguf).
 GGUF_NUMERICS = ("float", "llamacpp")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,8 @@ class ModelConfig:
     device: str = "auto"
     enforce_eager: bool = False
     gguf_numerics: str = "float"
+    # auto: Triton paged kernels on a GPU, the torch reference elsewhere.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -45,6 +48,11 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.gguf_numerics not in GGUF_NUMERICS:
             raise ConfigError(
                 f"--gguf-numerics must be one of {', '.join(GGUF_NUMERICS)}, got {self.gguf_numerics!r}"
@@ -125,10 +133,44 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     # Upper bound on n / best_of per request: a guard against one request occupying the engine.
     max_n: int = 128
+    # Auth (contract §2.1): user keys for /v1/* and /api/*, the admin key for admin routes. Kept
+    # out of repr so a logged config never shows them.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    # CORS (contract §2.2).
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # Logging: the periodic stats line, and how much of a prompt a request log line shows
+    # (characters or token ids; None = all of it).
+    disable_log_stats: bool = False
+    stats_interval_s: float = 10.0
+    max_log_len: int | None = None
+    # Kobold API: default `max_length`, also reported by /api/v1/config/max_length.
+    kobold_default_max_length: int = 200
+    # TLS and reverse-proxy prefix, handed to uvicorn.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    root_path: str = ""
+    # No /docs, /redoc, /openapi.json.
+    disable_fastapi_docs: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
+        if any(not key for key in self.api_keys):
+            raise ConfigError("--api-keys: a key must not be empty")
+        if self.admin_key == "":
+            raise ConfigError("--admin-key must not be empty")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ConfigError(f"--max-log-len must be >= 0, got {self.max_log_len}")
+        if self.kobold_default_max_length < 1:
+            raise ConfigError(f"--kobold-default-max-length must be >= 1, got {self.kobold_default_max_length}")
+        if self.stats_interval_s <= 0:
+            raise ConfigError(f"the stats interval must be > 0, got {self.stats_interval_s}")
 
 
 @dataclass(frozen=True)

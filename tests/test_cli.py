@@ -155,3 +155,36 @@ def test_bundled_default_model_is_served_under_a_stable_name(monkeypatch):
     assert engine.model.served_names == ("SmolLM2-135M-Instruct",)
     engine, _ = cli.build_configs(cli.parse_args(["run", "--served-model-name", "mine"]))
     assert engine.model.served_names == ("mine",)
+
+
+def test_server_flags():
+    _, server = _configs()
+    assert server.api_keys == () and server.admin_key is None
+    assert (server.allowed_origins, server.allowed_methods, server.allowed_headers) == (("*",), ("*",), ("*",))
+    assert not server.allow_credentials and not server.disable_log_stats and server.max_log_len is None
+    assert server.kobold_default_max_length == 200
+    engine, server = _configs(
+        "--served-model-name", "a", "b", "--allowed-origins", '["https://a.example"]', "--allowed_methods",
+        '["GET","POST"]', "--allow-credentials", "--disable-log-stats", "--max-log-len", "80",
+        "--launch-kobold-api", "--kobold-default-max-length", "512", "--root-path", "/paphos",
+        "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--disable-fastapi-docs",
+    )
+    assert engine.model.served_names == ("a", "b")
+    assert server.allowed_origins == ("https://a.example",) and server.allowed_methods == ("GET", "POST")
+    assert server.allow_credentials and server.disable_log_stats and server.max_log_len == 80
+    assert server.kobold_default_max_length == 512
+    assert (server.root_path, server.ssl_keyfile, server.ssl_certfile, server.ssl_cert_reqs) == ("/paphos", "k.pem", "c.pem", 0)
+    assert server.disable_fastapi_docs and not _configs()[1].disable_fastapi_docs
+
+
+def test_bad_cors_json_exits_2():
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["run", "m.gguf", "--allowed-origins", "https://a.example"])
+    assert exc.value.code == 2
+
+
+def test_yaml_auth_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text('api_keys: k1\nallowed_origins: \'["https://x.example"]\'\nadmin-key: adm\n')
+    _, server = cli.build_configs(cli.parse_args(["run", "m.gguf", "--config", str(path)]))
+    assert server.api_keys == ("k1",) and server.allowed_origins == ("https://x.example",) and server.admin_key == "adm"

@@ -49,17 +49,43 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store this step's K/V rows ([T, Hkv, D]) into the paged cache at their slots, in place.
 
     Padding rows (e.g. of a captured graph) should point at a slot of the reserved null block 0;
     that block is never read as context, so no masking is needed here.
+
+    An fp8 cache stores x / scale (computed in fp32, saturated to the format's finite range,
+    round-to-nearest-even) and is read back as stored * scale; the scales are per tensor and
+    ignored for other cache dtypes.
     """
     block_size = kv_cache.shape[2]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
+    if kv_cache.dtype in FP8_KV_DTYPES:
+        k, v = quantize_fp8(k, k_scale, kv_cache.dtype), quantize_fp8(v, v_scale, kv_cache.dtype)
     # kv_cache[:, 0] is a strided view, so index_put on it writes straight into the cache.
     kv_cache[:, 0][blocks, offsets] = k.to(kv_cache.dtype)
     kv_cache[:, 1][blocks, offsets] = v.to(kv_cache.dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale as `dtype` (an fp8 format), saturated: a plain cast would turn overflow into NaN."""
+    fp8_max = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """K or V read from the cache, as fp32 values when the cache is fp8 (stored * scale);
+    other dtypes are returned unchanged."""
+    return x.float() * scale if x.dtype in FP8_KV_DTYPES else x

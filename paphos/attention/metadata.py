@@ -29,6 +29,10 @@ class AttentionMetadata:
     # Host copies, so backends that loop over sequences need no device sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Every sequence has exactly one query row. Set by the CUDA-graph decode path, whose captured
+    # kernels must not read the host copies above (they are stale at replay) nor size launches
+    # from max_seq_len; a backend takes its device-only decode path when this is set.
+    decode_only: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -10,6 +10,7 @@ Data flow: model runner -> model -> attention layer -> here. Two jobs:
       - prefill chunks are attended one sequence at a time with
         `torch.nn.functional.scaled_dot_product_attention` (or the matmul path when soft-capping).
 All score/softmax/value math runs in fp32 whatever the cache dtype; the result is cast back.
+An fp8 cache is dequantized (stored * scale, per-tensor k_scale / v_scale) right after the gather.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from paphos.attention.backend import write_kv_cache
+from paphos.attention.backend import dequantize_kv, write_kv_cache
 from paphos.attention.metadata import AttentionMetadata
 
 
@@ -49,7 +50,12 @@ class _Plan:
 class TorchReferenceBackend:
     name = "torch_ref"
 
-    def __init__(self, max_decode_gather_tokens: int = 32768) -> None:
+    def __init__(
+        self, max_decode_gather_tokens: int = 32768, k_scale: float = 1.0, v_scale: float = 1.0
+    ) -> None:
+        # Per-tensor scales of an fp8 cache (stored = x / scale); unused for other cache dtypes.
+        self.k_scale = k_scale
+        self.v_scale = v_scale
         # Bounds the padded decode gather (B * max context tokens) so a large batch of long
         # chats does not materialise its whole KV history at once; groups are formed over
         # sequences sorted by length, so padding inside a group stays small.
@@ -70,7 +76,7 @@ class TorchReferenceBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         plan = self._get_plan(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in plan.decode_groups:
@@ -158,6 +164,7 @@ class TorchReferenceBackend:
         # so flattening blocks into one token axis is a free view.
         keys = kv_cache[:, 0][g.block_tables].view(b, length, num_kv_heads, head_dim)
         values = kv_cache[:, 1][g.block_tables].view(b, length, num_kv_heads, head_dim)
+        keys, values = dequantize_kv(keys, self.k_scale), dequantize_kv(values, self.v_scale)
 
         pos = torch.arange(length, device=q.device)
         valid = pos[None, :] < g.seq_lens[:, None]
@@ -191,6 +198,7 @@ class TorchReferenceBackend:
         else:
             keys = kv_cache[:, 0][p.blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]
             values = kv_cache[:, 1][p.blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]
+            keys, values = dequantize_kv(keys, self.k_scale), dequantize_kv(values, self.v_scale)
 
         qh = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         kh = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]

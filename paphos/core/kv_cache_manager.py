@@ -135,6 +135,19 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(blocks[num_cached:num_full], hashes[num_cached:num_full])
         self.num_cached_blocks[req_id] = num_full
 
+    def truncate(self, request: Request, num_computed_tokens: int) -> None:
+        """Keep only the blocks wholly before `num_computed_tokens` (a multiple of the block size)
+        after a phrase-ban rollback. Later blocks are given back rather than rewritten in place: a
+        full one may be registered in the prefix cache under the hash of the dropped tokens, and
+        stays valid there. The request's block hashes are cut to its (shorter) full blocks."""
+        keep = num_computed_tokens // self.block_size
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks[keep:]))
+        del blocks[keep:]
+        if request.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request.request_id] = min(self.num_cached_blocks[request.request_id], keep)
+        del request.block_hashes[request.num_tokens // self.block_size :]
+
     def free(self, request: Request) -> None:
         """Give back every block of the request (finish, abort or preemption). Idempotent."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

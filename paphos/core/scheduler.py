@@ -82,6 +82,9 @@ class Scheduler:
         # after preemption scores its prompt again, and those duplicates are dropped.
         self._prompt_logprobs_sent: dict[str, int] = {}
         self.num_preemptions_total = 0
+        # Running requests rolled back since the runner last saw them (phrase bans): the next time
+        # they are scheduled the runner gets them whole again (see `rollback_request`).
+        self._resend: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -120,7 +123,49 @@ class Scheduler:
         self.running = [r for r in self.running if not r.is_finished]
         self.waiting.remove(r.request_id for r in to_finish)
 
+    def rollback_request(self, req_id: str, num_output_tokens: int, banned_token_id: int) -> None:
+        """Phrase-ban rollback (contract §4.4.12): drop the output from `num_output_tokens` on and
+        ban `banned_token_id` at that output position only.
+
+        The runner learns of it through the ordinary diffs: the next time the request is scheduled
+        its id is in `preempted_req_ids` (the runner forgets its cached state) and its whole state
+        is in `scheduled_new_reqs` (prompt, kept output, kept blocks, num_computed_tokens), exactly
+        as for a request resumed after preemption, so no runner-side special case exists. KV blocks
+        from the one holding the last kept token on are given back (kv_cache_manager.truncate) and
+        that partial block is recomputed. The per-position bans travel in
+        `sampling_params.position_bans`; bans past the new end are dropped, earlier ones are kept
+        for a later rollback to that position. Unknown or finished ids are ignored.
+        """
+        req = self.requests.get(req_id)
+        if req is None or not 0 <= num_output_tokens < req.num_output_tokens:
+            return
+        del req.output_token_ids[num_output_tokens:]
+        del req.all_token_ids[req.num_prompt_tokens + num_output_tokens :]
+        bans = req.sampling_params.position_bans
+        for position in [p for p in bans if p > num_output_tokens]:
+            del bans[position]
+        bans.setdefault(num_output_tokens, []).append(banned_token_id)
+        block_size = self.cache_config.block_size
+        if req.status == RequestStatus.RUNNING:
+            computed = min(req.num_computed_tokens, req.num_tokens - 1) // block_size * block_size
+            self.kv_cache_manager.truncate(req, computed)
+            req.num_computed_tokens = computed
+            self._resend.add(req_id)
+        else:  # preempted and waiting: it holds no blocks and is recomputed on admission
+            del req.block_hashes[req.num_tokens // block_size :]
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            sampling_params=req.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+        )
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        self._resend.discard(req.request_id)
         req.status = status
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
@@ -130,6 +175,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: blocks back to the pool, output kept, front of the queue."""
         self.kv_cache_manager.free(req)
+        self._resend.discard(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -145,6 +191,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
+        resent: set[str] = set()
 
         # 1. Running requests, oldest first. Preemption takes the newest, which is always at or
         # after the current index, so nothing already scheduled this step is ever preempted.
@@ -166,9 +213,14 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, num_new)
             if new_blocks is None:
                 break  # the request preempted itself: everything after it is gone too
-            cached_reqs.append(
-                CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
-            )
+            if req.request_id in self._resend:
+                self._resend.discard(req.request_id)
+                resent.add(req.request_id)
+                new_reqs.append(self._new_request_data(req))
+            else:
+                cached_reqs.append(
+                    CachedRequestData(req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens)
+                )
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             i += 1
@@ -193,26 +245,22 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            new_reqs.append(
-                NewRequestData(
-                    req_id=req.request_id,
-                    prompt_token_ids=list(req.prompt_token_ids),
-                    output_token_ids=list(req.output_token_ids),
-                    sampling_params=req.sampling_params,
-                    block_ids=kv.get_block_ids(req.request_id),
-                    num_computed_tokens=num_hit_tokens,
-                )
-            )
+            new_reqs.append(self._new_request_data(req))
             num_scheduled[req.request_id] = num_new
             budget -= num_new
 
+        if resent:
+            # The flat batch lays out cached requests first, then new ones (rolled back included).
+            ids = [c.req_id for c in cached_reqs] + [n.req_id for n in new_reqs]
+            num_scheduled = {req_id: num_scheduled[req_id] for req_id in ids}
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            # Rolled-back requests are "preempted and new" in one step: the runner drops and rebuilds.
+            preempted_req_ids={r.request_id for r in preempted} | resent,
         )
         self._finished_req_ids = set()
         return out

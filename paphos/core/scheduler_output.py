@@ -5,6 +5,8 @@ Data flow: Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> M
 only the differences: a request it has not seen (new, or resumed after preemption) arrives whole
 in `scheduled_new_reqs`; a request it already holds arrives in `scheduled_cached_reqs` with the
 blocks appended since the last step. The runner itself appends the tokens it sampled.
+A request rolled back by a phrase ban (Scheduler.rollback_request) is sent like a resumed one: its
+id in `preempted_req_ids` and its whole state in `scheduled_new_reqs` of the same step.
 """
 
 from __future__ import annotations

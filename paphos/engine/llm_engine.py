@@ -2,7 +2,8 @@
 
 One step: Scheduler.schedule() -> ModelRunner.execute() -> Scheduler.update_from_output() ->
 OutputProcessor.process() -> RequestOutputs; sequences finished by stop strings are handed back to
-the scheduler in the same step so their blocks are freed at once.
+the scheduler in the same step so their blocks are freed at once, and sequences in which a banned
+phrase appeared are rolled back (Scheduler.rollback_request) before the next step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from paphos.config import EngineConfig
 from paphos.core.scheduler import Scheduler
 from paphos.engine.output_processor import OutputProcessor
+from paphos.engine.sampling_prep import SamplingPreparer
 from paphos.outputs import RequestOutput
 from paphos.request import Request, RequestStatus
 from paphos.sampling_params import ParamError, SamplingParams
@@ -34,6 +36,8 @@ class LLMEngine:
         self.num_blocks = worker.num_blocks
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, worker.num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
+        stop_ids = sorted({*self.extra_eos_token_ids, *([self.eos_token_id] if self.eos_token_id is not None else [])})
+        self.sampling_preparer = SamplingPreparer(self.tokenizer, self.vocab_size, stop_ids)
         logger.info(
             "engine ready: max_model_len=%d, %d KV blocks of %d tokens (%d tokens)",
             self.max_model_len, self.num_blocks - 1, self.config.cache.block_size,
@@ -52,6 +56,7 @@ class LLMEngine:
         if bad is not None:
             raise ParamError("prompt", f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
         params.validate_against(self.vocab_size, self.config.model.max_logprobs)
+        self.sampling_preparer.prepare(params)
         prompt_len = len(prompt_token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         if prompt_len + max_tokens > self.max_model_len:
@@ -86,7 +91,8 @@ class LLMEngine:
             )
 
     def _child_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """Each sequence of an n/best_of request gets its own seed; only the first scores the prompt."""
+        """Each sequence of an n/best_of request gets its own seed and params object; only the first
+        scores the prompt."""
         return dataclasses.replace(
             params,
             n=1,
@@ -94,6 +100,8 @@ class LLMEngine:
             seed=None if params.seed is None else params.seed + index,
             prompt_logprobs=params.prompt_logprobs if index == 0 else None,
             extra_eos_token_ids=list(self.extra_eos_token_ids),
+            # Each sequence's own phrase-ban rollback state (the scheduler mutates it).
+            position_bans={},
         )
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -112,4 +120,6 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(engine_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for rollback in self.output_processor.take_rollbacks():
+            self.scheduler.rollback_request(rollback.req_id, rollback.num_output_tokens, rollback.banned_token_id)
         return outputs

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paphos.layers import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -75,11 +77,16 @@ class RotaryEmbedding(nn.Module):
         # [max_position, rotary_dim]: cos of each half-frequency, then sin. Not persistent: it is
         # derived from the config, never from checkpoint tensors.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        half = self.rotary_dim // 2
+        self._fusable = half > 0 and half & (half - 1) == 0
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] long; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes."""
+        """positions [T] long; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes. On a GPU
+        the rotation happens in place (q and k are this step's fresh projections)."""
+        if fused.available(q) and self._fusable:
+            return fused.rope_(positions, q, k, self.cos_sin_cache, self.rotary_dim)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -1,91 +1,287 @@
 """SamplingMetadata: the per-row sampling parameters of one step as batched tensors.
 
-Built by the model runner from the `SamplingParams` of the rows that sample this step, consumed by
-`Sampler`. A field is None when no row of the batch uses that sampler, so the sampler skips it.
+Built by the model runner from the `SamplingParams` and token history of the rows that sample this
+step, consumed by `Sampler`. Every chain parameter of a row lives in one float32 matrix
+`columns` [R, len(COLUMNS)], copied to the device in one transfer; a request's row of values and
+its set of enabled stages are computed once per request and cached on its params (a serving step
+must not pay Python work per row per sampler).
+
+Rows are grouped by their resolved order (paphos/sample/order.py); groups whose enabled stages
+come out the same are merged, so a batch where every row uses the default order is one group that
+pays one pass per stage some row enables, and rows with custom orders pay only for their group.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from paphos.sample import order as st
 from paphos.sampling_params import SamplingParams
+
+COLUMNS = (
+    "temperature", "dynatemp_min", "dynatemp_max", "dynatemp_exponent", "top_k", "top_p", "top_a", "min_p",
+    "tfs", "typical_p", "eta", "epsilon", "nsigma", "smoothing_factor", "smoothing_curve",
+    "repetition_penalty", "repetition_penalty_range", "rep_pen_slope", "frequency_penalty", "presence_penalty",
+    "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_range", "dry_max_ngram",
+    "dry_max_occurrences", "dry_early_exit_match_len", "xtc_threshold", "xtc_probability", "skew",
+    "mirostat_mode", "mirostat_tau", "mirostat_eta",
+)
+COL = {name: i for i, name in enumerate(COLUMNS)}
+HISTORY_STAGES = frozenset({st.PENALTIES, st.DRY, st.NO_REPEAT_NGRAM})
+SKEW = "skew"  # runs after the chain, not a chain stage
+_CUTOFF_UNIT = 1e-4  # eta/epsilon cutoffs arrive in 1e-4 units (contract §4.4.6)
+_CACHE_ATTR = "_paphos_sampler_row"
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    values: tuple[float, ...]
+    enabled: frozenset[str]  # chain stages (and "skew") this row changes anything in
+
+
+def sampler_row(p: SamplingParams) -> SamplerRow:
+    """Column values and enabled stages of one request; greedy rows neutralise what cannot change
+    their argmax (temperature, truncation, XTC, skew, mirostat) but keep penalties, DRY, no-repeat."""
+    cached = p.__dict__.get(_CACHE_ATTR)
+    if cached is not None:
+        return cached
+    greedy = p.is_greedy
+    dynatemp = not greedy and (p.dynatemp_min > 0 or p.dynatemp_max > 0)
+    values = {
+        "temperature": 1.0 if greedy else p.temperature,
+        "dynatemp_min": p.dynatemp_min if dynatemp else 0.0,
+        "dynatemp_max": p.dynatemp_max if dynatemp else 0.0,
+        "dynatemp_exponent": p.dynatemp_exponent,
+        "top_k": 0 if greedy or p.top_k < 0 else p.top_k,
+        "top_p": 1.0 if greedy else p.top_p,
+        "top_a": 0.0 if greedy else p.top_a,
+        "min_p": 0.0 if greedy else p.min_p,
+        "tfs": 1.0 if greedy else p.tfs,
+        "typical_p": 1.0 if greedy else p.typical_p,
+        "eta": 0.0 if greedy else p.eta_cutoff * _CUTOFF_UNIT,
+        "epsilon": 0.0 if greedy else p.epsilon_cutoff * _CUTOFF_UNIT,
+        "nsigma": 0.0 if greedy else p.nsigma,
+        "smoothing_factor": 0.0 if greedy else p.smoothing_factor,
+        "smoothing_curve": p.smoothing_curve,
+        "repetition_penalty": p.repetition_penalty,
+        "repetition_penalty_range": p.repetition_penalty_range,
+        "rep_pen_slope": p.rep_pen_slope,
+        "frequency_penalty": p.frequency_penalty,
+        "presence_penalty": p.presence_penalty,
+        "no_repeat_ngram_size": p.no_repeat_ngram_size,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_range": p.dry_range,
+        "dry_max_ngram": p.dry_max_ngram,
+        "dry_max_occurrences": p.dry_max_occurrences,
+        "dry_early_exit_match_len": p.dry_early_exit_match_len,
+        "xtc_threshold": p.xtc_threshold,
+        "xtc_probability": 0.0 if greedy else p.xtc_probability,
+        "skew": 0.0 if greedy or p.mirostat_mode else p.skew,
+        "mirostat_mode": 0 if greedy else p.mirostat_mode,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+    }
+    v = values
+    checks = {
+        st.TEMPERATURE: v["temperature"] != 1.0 or dynatemp,
+        st.TOP_K: v["top_k"] > 0,
+        st.TOP_P: v["top_p"] < 1.0,
+        st.TOP_A: v["top_a"] > 0,
+        st.MIN_P: v["min_p"] > 0,
+        st.TFS: v["tfs"] < 1.0,
+        st.TYPICAL_P: v["typical_p"] < 1.0,
+        st.ETA: v["eta"] > 0,
+        st.EPSILON: v["epsilon"] > 0,
+        st.TOP_NSIGMA: v["nsigma"] > 0,
+        st.QUADRATIC: v["smoothing_factor"] > 0,
+        st.PENALTIES: v["repetition_penalty"] != 1.0 or v["frequency_penalty"] != 0 or v["presence_penalty"] != 0,
+        st.NO_REPEAT_NGRAM: v["no_repeat_ngram_size"] > 0,
+        st.DRY: v["dry_multiplier"] > 0,
+        st.XTC: v["xtc_probability"] > 0,
+        st.MIROSTAT: v["mirostat_mode"] > 0,
+        SKEW: v["skew"] != 0,
+    }
+    row = SamplerRow(tuple(float(values[c]) for c in COLUMNS), frozenset(s for s, on in checks.items() if on))
+    p.__dict__[_CACHE_ATTR] = row
+    return row
+
+
+@dataclass
+class StageGroup:
+    stages: tuple[str, ...]  # chain stages to run, in this group's order
+    rows: torch.Tensor | None  # int64 row indices; None = every row of the batch
 
 
 @dataclass
 class SamplingMetadata:
     num_rows: int
-    # float32 [R]; greedy rows hold 1.0 (they take the argmax and never divide).
-    temperature: torch.Tensor | None
+    vocab_size: int
+    columns: torch.Tensor  # float32 [R, len(COLUMNS)]
+    groups: list[StageGroup]
     greedy_rows: torch.Tensor  # bool [R]
     all_greedy: bool
-    all_random: bool
-    top_k: torch.Tensor | None  # int64 [R]; vocab size where off
-    top_p: torch.Tensor | None  # float32 [R]; 1.0 where off
-    min_p: torch.Tensor | None  # float32 [R]; 0.0 where off
-    # Per row generator for seeded requests; rows without one draw from the shared stream.
-    generators: dict[int, torch.Generator]
-    # Sparse additive bias: flat (row, token id, value) triples.
+    all_random: bool  # no greedy row
+    skew: bool  # some row applies skew after the chain
+    dynatemp: bool  # some row uses dynamic temperature (the entropy is computed only then)
+    # Counter-based RNG inputs (rng.py): per-row seed and output position being sampled.
+    seeds: torch.Tensor  # int64 [R]
+    positions: torch.Tensor  # int64 [R]
+    # Right-aligned prompt + output ids [R, T] (-1 = none) and output lengths; only when a history
+    # stage is enabled. dry_breakers [R, B] (-1 padded); *_max_k: match lengths to look back on.
+    history: torch.Tensor | None
+    num_output: torch.Tensor | None
+    dry_breakers: torch.Tensor | None
+    dry_max_k: int
+    ngram_max_k: int
+    # Mirostat mu per row (rows without mirostat hold 0), when some row uses mirostat.
+    mirostat_mu: torch.Tensor | None
+    # Pre-chain, sparse: allowed (row, id) pairs of restricted rows; the grammar bitmask of the
+    # guided rows; additive bias triples; (row, id) pairs masked to -inf.
+    allowed_rows: torch.Tensor | None
+    allowed_pair_rows: torch.Tensor | None
+    allowed_ids: torch.Tensor | None
+    bitmask_rows: torch.Tensor | None
+    bitmask: torch.Tensor | None
     bias_rows: torch.Tensor | None
     bias_token_ids: torch.Tensor | None
     bias_values: torch.Tensor | None
-    # Flat (row, token id) pairs masked to -inf: stop tokens while output < min_tokens.
     mask_rows: torch.Tensor | None
     mask_token_ids: torch.Tensor | None
     # Largest `logprobs` asked by any row (None when no row asks).
     max_num_logprobs: int | None
 
+    @property
+    def has_pre_chain(self) -> bool:
+        return any(t is not None for t in (self.allowed_rows, self.bitmask, self.bias_rows, self.mask_rows))
+
+    def col(self, name: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        values = self.columns[:, COL[name]]
+        return values if rows is None else values[rows]
+
     @classmethod
     def build(
         cls,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        num_output_tokens: Sequence[int],
+        seeds: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        num_prompt_tokens: Sequence[int],
         eos_token_id: int | None,
         vocab_size: int,
         device: torch.device,
+        mirostat_mu: Sequence[torch.Tensor | None] | None = None,
+        position_bans: Sequence[Sequence[int]] | None = None,
+        grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        rows = len(params)
-        greedy = [p.is_greedy for p in params]
-        temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size
-                 for p, g in zip(params, greedy, strict=True)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
+        """token_ids: prompt + output of each row (the runner's state); position_bans: ids banned
+        at the position each row samples now (phrase-ban rollbacks); grammar_bitmask: (rows, int32
+        bitmask [len(rows), ceil(V/32)]) of the guided rows."""
+        num_rows = len(params)
+        rows_info = [sampler_row(p) for p in params]
+        columns = torch.tensor([r.values for r in rows_info], dtype=torch.float32).reshape(num_rows, len(COLUMNS))
+        top_k = columns[:, COL["top_k"]]
+        columns[:, COL["top_k"]] = torch.where((top_k <= 0) | (top_k >= vocab_size), float(vocab_size), top_k)
+        enabled_any = frozenset().union(*(r.enabled for r in rows_info))
+        num_output = [len(t) - n for t, n in zip(token_ids, num_prompt_tokens, strict=True)]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        history = out_len = breakers = None
+        dry_k = ngram_k = 0
+        if enabled_any & HISTORY_STAGES:
+            users = [i for i, r in enumerate(rows_info) if r.enabled & HISTORY_STAGES]
+            lengths = np.zeros(num_rows, dtype=np.int64)
+            lengths[users] = [len(token_ids[i]) for i in users]
+            length = max(1, int(lengths.max()))
+            # Right-aligned in one C-level copy: row-major order of the mask is the rows' order.
+            hist = np.full((num_rows, length), -1, dtype=np.int64)
+            hist[np.arange(length) >= (length - lengths)[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(token_ids[i] for i in users), dtype=np.int64, count=int(lengths.sum())
+            )
+            history = torch.from_numpy(hist).to(device)
+            out_len = tensor(num_output, torch.int64)
+            if st.DRY in enabled_any:
+                dry_users = [i for i in users if st.DRY in rows_info[i].enabled]
+                dry_k = min(length, max(params[i].dry_max_ngram for i in dry_users))
+                width = max(1, max(len(params[i].dry_breaker_ids) for i in dry_users))
+                brk = np.full((num_rows, width), -1, dtype=np.int64)
+                for i in dry_users:
+                    ids = params[i].dry_breaker_ids
+                    brk[i, : len(ids)] = ids
+                breakers = torch.from_numpy(brk).to(device)
+            if st.NO_REPEAT_NGRAM in enabled_any:
+                # A match longer than the history is impossible: cap the look-back there.
+                ngram_k = min(length, max(params[i].no_repeat_ngram_size for i in users) - 1)
+
+        mu = None
+        if st.MIROSTAT in enabled_any:
+            zero = torch.zeros((), device=device)
+            given = mirostat_mu or [None] * num_rows
+            mu = torch.stack([
+                (m if m is not None else zero + 2 * p.mirostat_tau) if p.mirostat_mode else zero
+                for p, m in zip(params, given, strict=True)
+            ])
 
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_vals: list[float] = []
         mask_rows: list[int] = []
         mask_ids: list[int] = []
-        for row, (p, n_out) in enumerate(zip(params, num_output_tokens, strict=True)):
+        allowed_rows: list[int] = []
+        pair_rows: list[int] = []
+        pair_ids: list[int] = []
+        for row, (p, n_out) in enumerate(zip(params, num_output, strict=True)):
+            if p.allowed_token_ids:
+                allowed_rows.append(row)
+                pair_rows.extend([row] * len(p.allowed_token_ids))
+                pair_ids.extend(p.allowed_token_ids)
             if p.logit_bias:
                 bias_rows.extend([row] * len(p.logit_bias))
                 bias_ids.extend(p.logit_bias.keys())
                 bias_vals.extend(p.logit_bias.values())
-            if n_out < p.min_tokens:
-                stop_ids = set(p.stop_token_ids) | set(p.extra_eos_token_ids)
-                if eos_token_id is not None:
-                    stop_ids.add(eos_token_id)
-                mask_rows.extend([row] * len(stop_ids))
-                mask_ids.extend(stop_ids)
+            masked = _masked_ids(p, n_out, token_ids[row], eos_token_id)
+            if position_bans is not None:
+                masked.update(position_bans[row])
+            mask_rows.extend([row] * len(masked))
+            mask_ids.extend(masked)
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        groups = _groups(params, rows_info, num_rows, device)
+        greedy = [p.is_greedy for p in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        bitmask_rows = bitmask = None
+        if grammar_bitmask is not None and grammar_bitmask[0]:
+            bitmask_rows = tensor(grammar_bitmask[0], torch.int64)
+            bitmask = grammar_bitmask[1].to(device, non_blocking=True)
         return cls(
-            num_rows=rows,
-            temperature=tensor(temperature, torch.float32) if any(t != 1.0 for t in temperature) else None,
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            columns=columns.to(device),
+            groups=groups,
             greedy_rows=tensor(greedy, torch.bool),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            top_k=tensor(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=tensor(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
-            min_p=tensor(min_p, torch.float32) if any(p > 0.0 for p in min_p) else None,
-            generators={row: g for row, g in enumerate(generators) if g is not None},
+            skew=SKEW in enabled_any,
+            dynatemp=bool((columns[:, COL["dynatemp_max"]] > 0).any()),
+            seeds=tensor(list(seeds), torch.int64),
+            positions=tensor(num_output, torch.int64),
+            history=history,
+            num_output=out_len,
+            dry_breakers=breakers,
+            dry_max_k=dry_k,
+            ngram_max_k=ngram_k,
+            mirostat_mu=mu,
+            allowed_rows=tensor(allowed_rows, torch.int64) if allowed_rows else None,
+            allowed_pair_rows=tensor(pair_rows, torch.int64) if allowed_rows else None,
+            allowed_ids=tensor(pair_ids, torch.int64) if allowed_rows else None,
+            bitmask_rows=bitmask_rows,
+            bitmask=bitmask,
             bias_rows=tensor(bias_rows, torch.int64) if bias_rows else None,
             bias_token_ids=tensor(bias_ids, torch.int64) if bias_rows else None,
             bias_values=tensor(bias_vals, torch.float32) if bias_rows else None,
@@ -93,3 +289,44 @@ class SamplingMetadata:
             mask_token_ids=tensor(mask_ids, torch.int64) if mask_rows else None,
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
+
+
+def _masked_ids(p: SamplingParams, num_output: int, token_ids: Sequence[int], eos_token_id: int | None) -> set[int]:
+    """Ids masked to -inf at this step: bans, EOS bans, stop ids under min_tokens, bad words."""
+    masked = set(p.custom_token_bans or ())
+    if p.ban_eos_token:
+        masked.update(p.extra_eos_token_ids)
+        if eos_token_id is not None:
+            masked.add(eos_token_id)
+    if num_output < p.min_tokens:
+        masked.update(p.stop_token_ids)
+        masked.update(p.extra_eos_token_ids)
+        if eos_token_id is not None:
+            masked.add(eos_token_id)
+    for word in p.bad_words_ids:
+        # The output ends with all but the last token of a bad word: mask that last token.
+        prefix = len(word) - 1
+        if prefix == 0 or (num_output >= prefix and list(token_ids[len(token_ids) - prefix:]) == word[:-1]):
+            masked.add(word[-1])
+    return masked
+
+
+def _groups(
+    params: Sequence[SamplingParams], rows_info: Sequence[SamplerRow], num_rows: int, device: torch.device
+) -> list[StageGroup]:
+    """Rows grouped by order, then merged where the stages they actually run are the same."""
+    by_order: dict[tuple[str, ...], list[int]] = {}
+    for i, p in enumerate(params):
+        by_order.setdefault(p.order, []).append(i)
+    by_stages: dict[tuple[str, ...], list[int]] = {}
+    for order, rows in by_order.items():
+        enabled = frozenset().union(*(rows_info[i].enabled for i in rows))
+        stages = tuple(s for s in order if s in enabled)
+        by_stages.setdefault(stages, []).extend(rows)
+    groups = []
+    for stages, rows in by_stages.items():
+        if not stages:
+            continue
+        index = None if len(rows) == num_rows else torch.tensor(sorted(rows), dtype=torch.int64, device=device)
+        groups.append(StageGroup(stages, index))
+    return groups

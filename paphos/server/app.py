@@ -3,7 +3,9 @@
 The app is up before the model: the lifespan starts `engine.start()` as a background task, so
 `GET /health` answers 503 while the weights load and 200 once the engine is ready; every route
 that needs the model answers 503 until then (`ServerState.ready_engine`). Shutdown stops the
-engine. Routes live in `paphos.server.openai.*`; the error shape in `paphos.server.errors`.
+engine. A request passes CORS, then auth (`auth.py`), then the body-size limit, then its route:
+OpenAI routes in `paphos.server.openai.*`, Kobold routes in `paphos.server.kobold`, /metrics in
+`metrics.py`; the error shape is in `paphos.server.errors`.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from paphos.config import ServerConfig
-from paphos.server import metrics
+from paphos.server import kobold, metrics
+from paphos.server.auth import AuthMiddleware
 from paphos.server.errors import BodySizeLimitMiddleware, error_response, install_error_handlers
-from paphos.server.metrics import build_registry
+from paphos.server.kobold.jobs import KoboldJobs
+from paphos.server.metrics import build_registry, log_stats_forever
 from paphos.server.openai import chat, completions, models, tokenize
 from paphos.server.state import EngineClient, ServerState, get_state
 from paphos.version import __version__
@@ -61,29 +66,40 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_start_engine(state, on_engine_failure))
+        tasks = [asyncio.create_task(_start_engine(state, on_engine_failure))]
+        if not server_config.disable_log_stats:
+            tasks.append(asyncio.create_task(log_stats_forever(engine, server_config.stats_interval_s)))
         try:
             yield
         finally:
-            if not task.done():
+            for task in tasks:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             try:
                 await engine.shutdown()
             except Exception:  # noqa: BLE001 - shutting down anyway
                 logger.exception("error while shutting the engine down")
 
-    app = FastAPI(title="Paphos", version=__version__, lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if server_config.disable_fastapi_docs:
+        docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Paphos", version=__version__, lifespan=lifespan, **docs)
     app.state.paphos = state
+    app.state.kobold_jobs = KoboldJobs()
     install_error_handlers(app)
+    # The last added middleware runs first: CORS (so preflights and 401s carry CORS headers), auth,
+    # then the body-size limit.
     app.add_middleware(BodySizeLimitMiddleware)
-    # Contract §2.2 defaults: any origin, method and header (no credentials).
-    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(AuthMiddleware, api_keys=server_config.api_keys, admin_key=server_config.admin_key)
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(server_config.allowed_origins),
+        allow_methods=list(server_config.allowed_methods), allow_headers=list(server_config.allowed_headers),
+        allow_credentials=server_config.allow_credentials,
+    )
 
-    for module in (completions, chat, models, tokenize):
+    for module in (completions, chat, models, tokenize, kobold, metrics):
         app.include_router(module.router)
-    app.state.metrics_registry = build_registry(engine.stats, state.model_name)
-    app.include_router(metrics.router)
+    app.state.metrics_registry = build_registry(engine, state.model_name)
 
     @app.get("/health")
     @app.get("/ping")
@@ -98,5 +114,20 @@ def build_app(
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/.well-known/serviceinfo")
+    async def serviceinfo() -> dict[str, Any]:
+        # The AI Horde / KoboldAI service discovery document (contract §3.7).
+        return {
+            "version": 0.2,
+            "software": {"name": "Paphos", "version": __version__},
+            "api": {
+                "openai": {"name": "OpenAI API", "rel_url": "/v1", "documentation": "/docs", "version": 1},
+                "koboldai": {
+                    "name": "KoboldAI API", "rel_url": "/api", "documentation": "https://lite.koboldai.net/koboldcpp_api",
+                    "version": kobold.info.KOBOLD_API_VERSION,
+                },
+            },
+        }
 
     return app

@@ -42,12 +42,17 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 class APIError(Exception):
     """An error to return to the client as-is: status, message, offending field."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, type_: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_ or ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+        # Route-specific keys added to the body (Kobold tokencount's `"value": -1`).
+        self.extra = extra or {}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -61,7 +66,21 @@ def error_body(status: int, message: str, param: str | None = None, type_: str |
 
 
 def api_error_body(exc: APIError) -> dict[str, Any]:
-    return error_body(exc.status, exc.message, exc.param, exc.type)
+    return {**error_body(exc.status, exc.message, exc.param, exc.type), **exc.extra}
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without the --root-path prefix when the proxy left it in."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+def _respond(request: Request, body: dict[str, Any], status: int) -> JSONResponse:
+    """Kobold routes add `detail` (SillyTavern and Kobold Lite show `detail.msg`, contract §5)."""
+    path = route_path(request.scope)
+    if path == "/api" or path.startswith("/api/"):
+        body = {**body, "detail": {"msg": body["message"], "type": body["type"]}}
+    return JSONResponse(body, status_code=status)
 
 
 def error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
@@ -77,11 +96,11 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
-    """422-style error lists -> one 400 whose message names every failing field."""
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """422-style error lists -> one 400 body whose message names every failing field."""
     if errors and errors[0].get("type") == "json_invalid":
         detail = (errors[0].get("ctx") or {}).get("error", "invalid JSON")
-        return error_response(400, f"Malformed JSON body: {detail}")
+        return error_body(400, f"Malformed JSON body: {detail}")
     items = []
     for err in errors:
         # Union types report one error per member, with the member type appended to the
@@ -96,22 +115,22 @@ def validation_error_response(errors: list[dict[str, Any]]) -> JSONResponse:
     message = "; ".join(f"{f}: {m}" if f else m for f, m in seen.items())
     count = len(seen)
     prefix = f"{count} invalid field{'s' if count != 1 else ''}: " if count else ""
-    return error_response(400, f"{prefix}{message}", fields[0] or None)
+    return error_body(400, f"{prefix}{message}", fields[0] or None)
 
 
-async def _api_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return JSONResponse(api_error_body(exc), status_code=exc.status)
+    return _respond(request, api_error_body(exc), exc.status)
 
 
-async def _param_error_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _param_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ParamError)
-    return error_response(400, str(exc), exc.param)
+    return _respond(request, error_body(400, str(exc), exc.param), 400)
 
 
-async def _validation_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError | ValidationError)
-    return validation_error_response(list(exc.errors()))
+    return _respond(request, validation_error_body(list(exc.errors())), 400)
 
 
 async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -120,15 +139,15 @@ async def _http_exception_handler(request: Request, exc: Exception) -> JSONRespo
         message = f"The route {request.method} {request.url.path} does not exist."
     else:
         message = str(exc.detail)
-    response = error_response(exc.status_code, message)
+    response = _respond(request, error_body(exc.status_code, message), exc.status_code)
     if exc.headers:
         response.headers.update(exc.headers)
     return response
 
 
-async def _unhandled_handler(_: Request, exc: Exception) -> JSONResponse:
+async def _unhandled_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error while serving a request", exc_info=exc)
-    return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")
+    return _respond(request, error_body(500, f"Internal server error: {type(exc).__name__}: {exc}"), 500)
 
 
 def install_error_handlers(app: FastAPI) -> None:

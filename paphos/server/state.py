@@ -6,9 +6,9 @@ model is still loading or after the engine died, so no route touches a half-buil
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 
@@ -16,6 +16,9 @@ from paphos.config import ModelConfig, ServerConfig
 from paphos.outputs import RequestOutput
 from paphos.sampling_params import SamplingParams
 from paphos.server.errors import APIError
+
+if TYPE_CHECKING:
+    from paphos.engine.async_engine import RequestStats
 
 
 class EngineClient(Protocol):
@@ -38,6 +41,10 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, float]: ...
+
+    def cache_config_info(self) -> dict[str, str]: ...
+
+    def add_request_observer(self, observer: Callable[[RequestStats], None]) -> None: ...
 
     async def shutdown(self) -> None: ...
 

@@ -44,6 +44,9 @@ class StepInputs:
     sampling_rows: list[int]
     # Per batch index asking for prompt logprobs: (hidden rows, the prompt token each row predicts).
     prompt_logprob_rows: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # Host copies of positions and slot mapping [T] (the decode lookahead compares them).
+    host_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    host_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def apply_scheduler_diffs(states: dict[str, RequestState], out: SchedulerOutput) -> None:
@@ -65,7 +68,7 @@ def apply_scheduler_diffs(states: dict[str, RequestState], out: SchedulerOutput)
 
 
 def build_step_inputs(
-    states: dict[str, RequestState], out: SchedulerOutput, block_size: int, device: torch.device
+    states: dict[str, RequestState], out: SchedulerOutput, block_size: int, uploader: DeviceUploader
 ) -> StepInputs:
     req_ids = list(out.num_scheduled_tokens)
     num_seqs = len(req_ids)
@@ -104,12 +107,17 @@ def build_step_inputs(
 
     qsl = query_start.tolist()
     lens = seq_lens.tolist()
+    input_ids = np.fromiter(itertools.chain.from_iterable(token_chunks), dtype=np.int64, count=int(query_start[-1]))
+    host_positions = np.concatenate(position_chunks)
+    host_slots = np.concatenate(slot_chunks)
+    long_parts = uploader.upload((input_ids, host_positions, host_slots), np.int64)
+    int_parts = uploader.upload((query_start, seq_lens, block_tables), np.int32)
     metadata = AttentionMetadata(
         num_tokens=int(query_start[-1]),
-        query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(block_tables).to(device),
-        slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(device),
+        query_start_loc=int_parts[0],
+        seq_lens=int_parts[1],
+        block_tables=int_parts[2],
+        slot_mapping=long_parts[2],
         max_query_len=max(b - a for a, b in zip(qsl, qsl[1:], strict=False)),
         max_seq_len=max(lens),
         query_start_loc_cpu=qsl,
@@ -117,10 +125,41 @@ def build_step_inputs(
     )
     return StepInputs(
         req_ids=req_ids,
-        input_ids=torch.tensor(list(itertools.chain.from_iterable(token_chunks)), dtype=torch.long, device=device),
-        positions=torch.from_numpy(np.concatenate(position_chunks)).to(device),
+        input_ids=long_parts[0],
+        positions=long_parts[1],
         attn_metadata=metadata,
         sampling_reqs=sampling_reqs,
         sampling_rows=sampling_rows,
         prompt_logprob_rows=prompt_rows,
+        host_positions=host_positions,
+        host_slots=host_slots,
     )
+
+
+class DeviceUploader:
+    """Moves a step's index arrays to the device in one copy per dtype through a pinned staging
+    buffer that lives as long as the runner: a pageable `.to(device)` per array would cost one
+    synchronous copy each. Reusing the buffer is safe because every step ends by reading the sampled
+    ids back, so the previous step's copies have finished."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._staging: dict[type, torch.Tensor] = {}
+
+    def upload(self, arrays: tuple[np.ndarray, ...], dtype: type) -> list[torch.Tensor]:
+        if self.device.type == "cpu":
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        staging = self._staging.get(dtype)
+        if staging is None or staging.numel() < total:
+            grown = max(total, 2 * staging.numel() if staging is not None else 0, 4096)
+            staging = torch.from_numpy(np.zeros(grown, dtype=dtype)).pin_memory()
+            self._staging[dtype] = staging
+        host = staging.numpy()
+        offset = 0
+        for a, n in zip(arrays, sizes, strict=True):
+            host[offset : offset + n] = a.ravel()
+            offset += n
+        flat = staging[:total].to(self.device, non_blocking=True)
+        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]

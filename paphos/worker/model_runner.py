@@ -8,14 +8,24 @@ ids and the logprobs that were asked for.
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 import torch
 
 from paphos.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from paphos.sample.guided import GuidedState
 from paphos.sample.metadata import SamplingMetadata
-from paphos.sample.sampler import Sampler
-from paphos.worker.input_batch import RequestState, apply_scheduler_diffs, build_step_inputs
+from paphos.sample.sampler import Sampler, SamplerOutput
+from paphos.worker.cuda_graphs import DecodeGraphs
+from paphos.worker.input_batch import (
+    DeviceUploader,
+    RequestState,
+    StepInputs,
+    apply_scheduler_diffs,
+    build_step_inputs,
+)
 from paphos.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+from paphos.worker.lookahead import Lookahead, Readback, greedy_and_stateless, next_step_in_place
 
 
 def derive_seed(seed: int) -> int:
@@ -34,85 +44,174 @@ class ModelRunner:
         device: torch.device,
         vocab_size: int,
         eos_token_id: int | None,
+        max_model_len: int,
     ) -> None:
         self.model = model
+        self.max_model_len = max_model_len
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, block_size, device)
+        self.uploader = DeviceUploader(device)
+        # Set up by `capture_decode_graphs` (GPU, not --enforce-eager); None = every step eager.
+        self.decode_graphs: DecodeGraphs | None = None
+        # The next decode step, launched before this one was read back (lookahead.py), or None.
+        self._lookahead: Lookahead | None = None
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}
-        # Generators outlive preemption (a resumed request continues its random stream), so
-        # they are keyed by request id apart from the input state and dropped only on finish.
-        self.generators: dict[str, torch.Generator] = {}
+        # Per-sequence sampling state outlives preemption (a resumed request continues its random
+        # stream, mirostat mu and grammar), so it is keyed by request id apart from the input state
+        # and dropped only on finish.
+        self.seeds: dict[str, int] = {}
+        self.mirostat_mu: dict[str, torch.Tensor] = {}
+        self.guided = GuidedState()
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in scheduler_output.finished_req_ids:
-            self.generators.pop(req_id, None)
+            self._forget_sampling_state(req_id)
         apply_scheduler_diffs(self.states, scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], sampled_logprobs=[])
 
-        inputs = build_step_inputs(self.states, scheduler_output, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-
+        inputs = build_step_inputs(self.states, scheduler_output, self.block_size, self.uploader)
         num_reqs = len(inputs.req_ids)
-        sampled_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        sampled_lps: list[list[float]] = [[] for _ in range(num_reqs)]
-        output = ModelRunnerOutput(inputs.req_ids, sampled_ids, sampled_lps)
+        output = ModelRunnerOutput(inputs.req_ids, [[] for _ in range(num_reqs)], [[] for _ in range(num_reqs)])
+        states = [self.states[inputs.req_ids[i]] for i in inputs.sampling_reqs]
 
-        if inputs.sampling_reqs:
-            states = [self.states[inputs.req_ids[i]] for i in inputs.sampling_reqs]
-            logits = self.model.compute_logits(hidden[inputs.sampling_rows])
-            metadata = SamplingMetadata.build(
-                params=[s.sampling_params for s in states],
-                generators=[self._generator(s) for s in states],
-                num_output_tokens=[s.num_output_tokens for s in states],
-                eos_token_id=self.eos_token_id,
-                vocab_size=self.vocab_size,
-                device=self.device,
-            )
-            result = self.sampler(logits[:, : self.vocab_size], metadata)
-            tokens = result.sampled_token_ids.tolist()
-            lps = result.sampled_logprobs.tolist()
-            ranks = result.sampled_ranks.tolist()
-            top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-            top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-            for row, (batch_idx, state) in enumerate(zip(inputs.sampling_reqs, states, strict=True)):
-                token = tokens[row]
-                state.token_ids.append(token)
-                sampled_ids[batch_idx] = [token]
-                sampled_lps[batch_idx] = [lps[row]]
-                k = state.sampling_params.logprobs
-                if k is not None:
-                    output.logprobs[state.req_id] = [
-                        TokenLogprobs(
-                            token_id=token,
-                            logprob=lps[row],
-                            rank=ranks[row],
-                            top_token_ids=top_ids[row][:k] if top_ids else [],
-                            top_logprobs=top_lps[row][:k] if top_lps else [],
-                        )
-                    ]
+        lookahead, self._lookahead = self._lookahead, None
+        hidden: torch.Tensor | None = None
+        result: SamplerOutput | None = None
+        if lookahead is not None and lookahead.matches(inputs.req_ids, inputs.host_positions, inputs.host_slots):
+            result, on_graphs = lookahead.result, True
+        else:
+            hidden, sampling_logits = self._forward(inputs)
+            on_graphs = hidden is None
+            if inputs.sampling_reqs:
+                assert sampling_logits is not None
+                result = self._sample(sampling_logits[:, : self.vocab_size], states)
+        if result is not None:
+            readback = Readback.start(result)
+            if on_graphs:
+                self._lookahead = self._launch_lookahead(inputs, states, result)
+            self._accept(readback.wait(), states, inputs.sampling_reqs, output)
 
         for batch_idx, (rows, targets) in inputs.prompt_logprob_rows.items():
+            assert hidden is not None  # steps with prompt logprobs never run on the graphs
             state = self.states[inputs.req_ids[batch_idx]]
             output.prompt_logprobs[state.req_id] = self._prompt_logprobs(
                 hidden[rows], targets, state.sampling_params.prompt_logprobs or 0
             )
         return output
 
-    def _generator(self, state: RequestState) -> torch.Generator | None:
-        seed = state.sampling_params.seed
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
+        )
+        self.decode_graphs.capture()
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The step's forward pass -> (hidden states of every row, or None when a CUDA graph ran;
+        fp32 logits of the sampling rows, or None when no row samples)."""
+        md = inputs.attn_metadata
+        every_row_samples = len(inputs.sampling_rows) == md.num_tokens and not inputs.prompt_logprob_rows
+        if self.decode_graphs is not None and every_row_samples and self.decode_graphs.can_run(md):
+            return None, self.decode_graphs.run(inputs.input_ids, inputs.positions, md)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
+        logits = self.model.compute_logits(hidden[inputs.sampling_rows]) if inputs.sampling_reqs else None
+        return hidden, logits
+
+    def _seed(self, state: RequestState) -> int:
+        """The request's RNG seed (rng.py): derived from `seed`, else drawn once at first sight.
+        Kept by request id apart from the input state, so it outlives preemption."""
+        seed = self.seeds.get(state.req_id)
         if seed is None:
+            user_seed = state.sampling_params.seed
+            seed = derive_seed(user_seed) if user_seed is not None else secrets.randbits(63)
+            self.seeds[state.req_id] = seed
+        return seed
+
+    def _launch_lookahead(
+        self, inputs: StepInputs, states: list[RequestState], result: SamplerOutput
+    ) -> Lookahead | None:
+        """Replays the next decode step of this graph batch now, if it is fully determined on the
+        device (lookahead.py); None otherwise."""
+        assert self.decode_graphs is not None
+        eligible = next_step_in_place(inputs.host_positions, self.block_size, self.max_model_len) and all(
+            greedy_and_stateless(s.sampling_params)
+            and s.sampling_params.min_tokens <= s.num_output_tokens + 1
+            and (s.sampling_params.max_tokens is None or s.num_output_tokens + 1 < s.sampling_params.max_tokens)
+            for s in states
+        )
+        if not eligible:
             return None
-        generator = self.generators.get(state.req_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(derive_seed(seed))
-            self.generators[state.req_id] = generator
-        return generator
+        logits = self.decode_graphs.run_next(result.sampled_token_ids)
+        # What the sampler sees of each row one token later: one more output token. The rows'
+        # params exclude every sampler that reads the history, so only the count matters; it is
+        # moved by one without copying the token list.
+        next_states = [
+            RequestState(s.req_id, s.token_ids, s.num_prompt_tokens - 1, s.sampling_params, s.block_ids,
+                         s.num_computed_tokens + 1)
+            for s in states
+        ]
+        next_result = self._sample(logits[:, : self.vocab_size], next_states)
+        return Lookahead(list(inputs.req_ids), inputs.host_positions + 1, inputs.host_slots + 1, next_result)
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> SamplerOutput:
+        """Sampler call for the rows that sample this step; the result stays on the device."""
+        rows = [(row, s.req_id, s.sampling_params, s.num_output_tokens) for row, s in enumerate(states)]
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            seeds=[self._seed(s) for s in states],
+            token_ids=[s.token_ids for s in states],
+            num_prompt_tokens=[s.num_prompt_tokens for s in states],
+            eos_token_id=self.eos_token_id,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            mirostat_mu=[self.mirostat_mu.get(s.req_id) for s in states],
+            position_bans=[s.sampling_params.position_bans.get(s.num_output_tokens, ()) for s in states],
+            grammar_bitmask=self.guided.bitmask(rows, self.vocab_size),
+        )
+        result = self.sampler(logits, metadata)
+        if result.mirostat_mu is not None:
+            for row, state in enumerate(states):
+                if state.sampling_params.mirostat_mode:
+                    self.mirostat_mu[state.req_id] = result.mirostat_mu[row]
+        return result
+
+    def _accept(
+        self, result: Readback, states: list[RequestState], batch_indices: list[int], output: ModelRunnerOutput
+    ) -> None:
+        """Appends the sampled tokens to the request states and fills `output`."""
+        tokens = result.sampled.tolist()
+        lps = result.logprobs.tolist()
+        ranks = result.ranks.tolist() if result.ranks is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        for row, (batch_idx, state) in enumerate(zip(batch_indices, states, strict=True)):
+            token = tokens[row]
+            state.token_ids.append(token)
+            if state.sampling_params.compiled_grammar is not None:
+                self.guided.accept(state.req_id, token)
+            output.sampled_token_ids[batch_idx] = [token]
+            output.sampled_logprobs[batch_idx] = [lps[row]]
+            k = state.sampling_params.logprobs
+            if k is not None:
+                output.logprobs[state.req_id] = [
+                    TokenLogprobs(
+                        token_id=token,
+                        logprob=lps[row],
+                        rank=ranks[row] if ranks is not None else 0,
+                        top_token_ids=top_ids[row][:k] if top_ids else [],
+                        top_logprobs=top_lps[row][:k] if top_lps else [],
+                    )
+                ]
+
+    def _forget_sampling_state(self, req_id: str) -> None:
+        self.seeds.pop(req_id, None)
+        self.mirostat_mu.pop(req_id, None)
+        self.guided.drop(req_id)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
         logprobs = self.model.compute_logits(hidden)[:, : self.vocab_size].float().log_softmax(dim=-1)

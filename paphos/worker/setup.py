@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paphos.attention.backend import AttentionBackend
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.config import ConfigError, EngineConfig
 from paphos.loader import load_model_source
@@ -20,12 +21,12 @@ from paphos.quant.gguf import quant_config_for_source
 from paphos.tokenizer import Tokenizer
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
+from paphos.worker.profiling import profile_kv_budget
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Memory kept free on a GPU beyond the KV cache for activations of the largest step.
-_GPU_ACTIVATION_RESERVE = 2 << 30
+_FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -81,26 +82,22 @@ def load_worker(config: EngineConfig) -> Worker:
     config = config.with_max_model_len(max_model_len)
 
     device = resolve_device(model_config.device)
-    if config.cache.kv_cache_dtype != "auto":
-        # Accepted for Aphrodite compatibility, but only the GPU attention kernels read fp8 KV.
-        raise ConfigError(
-            f"--kv-cache-dtype {config.cache.kv_cache_dtype} is not supported by the {device.type} "
-            "attention backend yet; use --kv-cache-dtype auto"
-        )
+    backend = _attention_backend(config, device)
     dtype = resolve_dtype(model_config.dtype, source.hf_config, device)
+    kv_dtype = _kv_cache_dtype(config, backend, dtype)
     torch.manual_seed(model_config.seed)
     model_cls = resolve_model_class(source.hf_config)
     # Quantized GGUF weights: float32 numerics, or llama.cpp's activation rounding on request
     quant_config = quant_config_for_source(source, model_config.gguf_numerics)
     with torch.device(device):
         model = model_cls(
-            source.hf_config, dtype=dtype, attn_backend=TorchReferenceBackend(), quant_config=quant_config
+            source.hf_config, dtype=dtype, attn_backend=backend, quant_config=quant_config
         )
     source.load_into(model, seed=model_config.seed)
     model.eval()
 
-    kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    num_blocks = num_blocks_for_budget(kv_spec, config.cache, _kv_budget_bytes(config, device))
+    kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    num_blocks = num_blocks_for_budget(kv_spec, config.cache, _kv_budget_bytes(model, config, kv_spec, device))
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
         num_blocks - 1, config.cache.block_size, (num_blocks - 1) * config.cache.block_size,
@@ -109,8 +106,13 @@ def load_worker(config: EngineConfig) -> Worker:
     eos_ids = source.eos_token_ids
     runner = ModelRunner(
         model, kv_spec, num_blocks, config.cache.block_size, device, model.vocab_size,
-        eos_ids[0] if eos_ids else None,
+        eos_ids[0] if eos_ids else None, max_model_len,
     )
+    if device.type == "cuda" and not model_config.enforce_eager:
+        if backend.name == "triton":
+            runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
+        else:
+            logger.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
     return Worker(
         config=config,
         tokenizer=source.tokenizer,
@@ -122,8 +124,36 @@ def load_worker(config: EngineConfig) -> Worker:
     )
 
 
-def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+def _attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    name = config.model.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchReferenceBackend()
+    if device.type != "cuda":
+        raise ConfigError(f"--attention-backend triton needs a CUDA GPU; the device is {device}")
+    from paphos.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+def _kv_cache_dtype(config: EngineConfig, backend: AttentionBackend, dtype: torch.dtype) -> torch.dtype:
+    name = config.cache.kv_cache_dtype
+    if name == "auto":
+        return dtype
+    if name not in _FP8_KV_DTYPES:
+        raise ConfigError(f"--kv-cache-dtype {name} is not supported; use fp8 (e4m3) or auto")
+    if backend.name != "triton":
+        raise ConfigError(
+            f"--kv-cache-dtype {name} needs the Triton attention backend (a CUDA GPU); "
+            f"the {backend.name} backend stores K/V in the model dtype"
+        )
+    return _FP8_KV_DTYPES[name]
+
+
+def _kv_budget_bytes(model: torch.nn.Module, config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    if config.cache.num_gpu_blocks_override is not None:
+        return 0  # the override wins; no need to profile
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return max(0, int(free * config.cache.gpu_memory_utilization) - _GPU_ACTIVATION_RESERVE)
+        return profile_kv_budget(model, config, spec, device)
     return int(config.cache.cpu_kv_cache_gb * (1 << 30))

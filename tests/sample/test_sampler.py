@@ -1,82 +1,27 @@
-"""Sampler stages against plain per-row references, and the sampler's draws against the
-probabilities the contract specifies (contract §4.4)."""
+"""The Sampler as a whole: pre-chain, per-request order, draws against the contract's
+probabilities (chi-square), and reproducibility of seeded rows alone and in a batch."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from paphos.sample.metadata import SamplingMetadata
-from paphos.sample.ops.min_p import apply_min_p
-from paphos.sample.ops.top_k_top_p import apply_top_k_top_p
+from paphos.sample.rng import uniform_reference, uniforms
 from paphos.sample.sampler import Sampler
 from paphos.sampling_params import SamplingParams
+from tests.sample import references as ref
 
 VOCAB = 50
 
 
-def reference_top_k_top_p(row: list[float], k: int, p: float) -> set[int]:
-    """Surviving ids, computed one row at a time with Python lists."""
-    order = sorted(range(len(row)), key=lambda i: (-row[i], i))
-    if k > 0:
-        kth = row[order[k - 1]]
-        order = [i for i in order if row[i] >= kth]
-    finite = [row[i] for i in order]
-    top = max(finite)
-    weights = [math.exp(v - top) for v in finite]
-    total = sum(weights)
-    kept, mass = [], 0.0
-    for i, w in zip(order, weights, strict=True):
-        if mass >= p and kept:
-            break
-        kept.append(i)
-        mass += w / total
-    return set(kept)
-
-
-def survivors(logits: torch.Tensor) -> list[set[int]]:
-    return [set(torch.nonzero(torch.isfinite(r)).flatten().tolist()) for r in logits]
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_top_k_top_p_matches_reference(seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(6, VOCAB, generator=gen) * 3
-    logits[0, :10] = float("-inf")  # -inf entries stay removed
-    logits[1, 5:9] = logits[1, 4]  # ties at a boundary are kept together
-    top_k = torch.tensor([5, 5, VOCAB, 1, 3, VOCAB])
-    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.3, 1.0])
-    out = apply_top_k_top_p(logits.clone(), top_k, top_p)
-    for r in range(6):
-        row = logits[r].tolist()
-        k = int(top_k[r]) if int(top_k[r]) < VOCAB else 0
-        expected = reference_top_k_top_p(row, k, float(top_p[r])) - {i for i, v in enumerate(row) if v == -math.inf}
-        assert survivors(out[r : r + 1])[0] == expected
-
-
-def test_neutral_top_k_top_p_is_identity() -> None:
-    logits = torch.randn(3, VOCAB)
-    out = apply_top_k_top_p(logits.clone(), torch.full((3,), VOCAB), torch.ones(3))
-    assert torch.equal(out, logits)
-
-
-def test_min_p_keeps_tokens_above_fraction_of_max() -> None:
-    logits = torch.randn(4, VOCAB)
-    min_p = torch.tensor([0.0, 0.1, 0.5, 1.0])
-    out = apply_min_p(logits.clone(), min_p)
-    probs = logits.softmax(-1)
-    for r in range(4):
-        expected = {i for i in range(VOCAB) if probs[r, i] >= min_p[r] * probs[r].max() - 1e-7}
-        assert survivors(out[r : r + 1])[0] == expected
-    assert survivors(out[3:4])[0] == {int(logits[3].argmax())}  # single survivor
-
-
-def build(params: list[SamplingParams], seeds: list[int | None], num_out: list[int] | None = None,
-          eos: int | None = None) -> SamplingMetadata:
-    gens = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-    return SamplingMetadata.build(params, gens, num_out or [0] * len(params), eos, VOCAB, torch.device("cpu"))
+def build(params: list[SamplingParams], seeds: list[int] | None = None, histories: list[list[int]] | None = None,
+          eos: int | None = None, **kwargs) -> SamplingMetadata:
+    histories = histories or [[1, 2, 3]] * len(params)
+    return SamplingMetadata.build(
+        params, seeds or list(range(len(params))), histories, [len(h) for h in histories], eos, VOCAB,
+        torch.device("cpu"), **kwargs,
+    )
 
 
 def test_greedy_rows_take_argmax_after_bias_and_min_tokens_mask() -> None:
@@ -87,7 +32,7 @@ def test_greedy_rows_take_argmax_after_bias_and_min_tokens_mask() -> None:
         SamplingParams(temperature=0, min_tokens=2),
         SamplingParams(temperature=0, logit_bias={7: 100.0}),
     ]
-    out = Sampler()(logits, build(params, [None] * 3, [0, 0, 0], eos=eos))
+    out = Sampler()(logits, build(params, eos=eos))
     assert out.sampled_token_ids[0] == logits[0].argmax()
     assert out.sampled_token_ids[1] != eos
     assert out.sampled_token_ids[2] == 7
@@ -95,13 +40,89 @@ def test_greedy_rows_take_argmax_after_bias_and_min_tokens_mask() -> None:
     assert out.sampled_logprobs[2] == pytest.approx(float(logits[2].log_softmax(-1)[7]), abs=1e-5)
 
 
-def test_seeded_rows_reproduce_regardless_of_batch_companions() -> None:
-    logits = torch.randn(1, VOCAB)
-    alone = Sampler()(logits.clone(), build([SamplingParams(temperature=1.0)], [1234]))
-    batch = torch.cat([torch.randn(2, VOCAB), logits])
-    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=0), SamplingParams()]
-    together = Sampler()(batch, build(params, [None, None, 1234]))
-    assert int(together.sampled_token_ids[2]) == int(alone.sampled_token_ids[0])
+def test_greedy_rows_still_get_penalties_and_bans() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 5] = 2.0
+    logits[:, 6] = 1.9
+    params = [SamplingParams(temperature=0, repetition_penalty=1.5), SamplingParams(temperature=0, custom_token_bans="5, 9"),
+              SamplingParams(temperature=0, allowed_token_ids=[8, 9])]
+    out = Sampler()(logits, build(params, histories=[[5], [1], [1]]))
+    assert out.sampled_token_ids.tolist() == [6, 6, 8]
+
+
+def test_rng_matches_its_plain_reference() -> None:
+    seeds = torch.tensor([0, 1, 2**62, -5])
+    positions = torch.tensor([0, 7, 3, 100])
+    u = uniforms(seeds, positions, 2)
+    for r in range(4):
+        for d in range(2):
+            assert float(u[r, d]) == uniform_reference(int(seeds[r]), int(positions[r]), d, 2)
+    assert ((u >= 0) & (u < 1)).all()
+
+
+EVERYTHING = dict(
+    temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, top_a=0.05, tfs=0.98, typical_p=0.97, eta_cutoff=2,
+    epsilon_cutoff=2, nsigma=3, smoothing_factor=0.2, repetition_penalty=1.1, frequency_penalty=0.1,
+    presence_penalty=0.1, no_repeat_ngram_size=4, dry_multiplier=0.5, xtc_probability=0.5, xtc_threshold=0.05,
+    skew=0.1, dynatemp_min=0.5, dynatemp_max=1.2,
+)
+
+
+def test_seeded_rows_reproduce_alone_and_in_a_batch_of_32() -> None:
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(1, VOCAB, generator=gen)
+    mine = [SamplingParams(seed=1234, **EVERYTHING), SamplingParams(seed=99, xtc_probability=1.0, xtc_threshold=0.01),
+            SamplingParams(seed=5, mirostat_mode=2), SamplingParams(seed=6, sampler_priority=["xtc", "temperature"],
+                                                                    xtc_probability=0.7, temperature=1.4)]
+    history = [3, 4, 5, 3, 4, 5, 3, 4]
+    for p in mine:
+        p.dry_breaker_ids = [0]
+        alone = [int(Sampler()(target.clone(), build([p], [777], [history])).sampled_token_ids[0]) for _ in range(2)]
+        assert alone[0] == alone[1]
+        others = [SamplingParams(temperature=0.3 + 0.05 * i, top_k=i % 7, min_p=0.01 * (i % 3), xtc_probability=0.3,
+                                 mirostat_mode=i % 3 if i % 5 == 0 else 0, temperature_last=bool(i % 2))
+                  for i in range(31)]
+        batch = torch.cat([torch.randn(31, VOCAB, generator=gen), target])
+        histories = [[i, i + 1, i] for i in range(31)] + [history]
+        together = Sampler()(batch, build([*others, p], [*range(31), 777], histories))
+        assert int(together.sampled_token_ids[-1]) == alone[0]
+
+
+def test_rows_with_different_orders_each_get_their_own() -> None:
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1)) * 2
+    first = SamplingParams(temperature=3.0, min_p=0.3)  # default order: temperature, then min-p
+    last = SamplingParams(temperature=3.0, min_p=0.3, temperature_last=True)  # min-p on the sharp logits
+    kobold = SamplingParams(temperature=3.0, min_p=0.3, sampler_order=[6, 0, 1, 3, 4, 2, 5])
+    md = build([first, last, kobold])
+    assert len(md.groups) == 2  # kobold's order runs min-p before temperature too: same as `last`
+    from paphos.sample.sampler import apply_pre_chain, run_chain
+
+    out = run_chain(apply_pre_chain(logits.expand(3, -1).clone(), md), md, torch.zeros(3))
+    row = logits[0].tolist()
+    expected_first = ref.min_p(ref.temperature(row, 3.0), 0.3)
+    expected_last = ref.temperature(ref.min_p(row, 0.3), 3.0)
+    assert torch.isinf(out[0]).tolist() == [v == -ref.INF for v in expected_first]
+    assert torch.isinf(out[1]).tolist() == [v == -ref.INF for v in expected_last]
+    assert torch.equal(out[1], out[2])
+    assert torch.isinf(out[0]).sum() < torch.isinf(out[1]).sum()
+
+
+def test_default_order_batch_is_one_group_with_only_enabled_stages() -> None:
+    params = [SamplingParams(top_p=0.9), SamplingParams(min_p=0.1), SamplingParams(temperature=0.5),
+              SamplingParams(temperature=0)]
+    md = build(params)
+    assert [(g.stages, g.rows) for g in md.groups] == [(("temperature", "top_p", "min_p"), None)]
+
+
+def test_mirostat_mu_moves_toward_tau() -> None:
+    # Flat enough that a surprise of tau = 3 bits is reachable (the max is log2(50) = 5.6).
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2))
+    p = SamplingParams(mirostat_mode=2, mirostat_tau=3.0, mirostat_eta=0.5)
+    mu = None
+    for step in range(30):
+        out = Sampler()(logits.clone(), build([p], [step], mirostat_mu=[mu]))
+        mu = out.mirostat_mu[0]
+    assert 0.5 < float(mu) < 6.0
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -112,26 +133,42 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(counts[keep].double().numpy(), expected.numpy()).pvalue)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=0.8), SamplingParams(top_k=4), SamplingParams(top_p=0.7),
-     SamplingParams(min_p=0.2), SamplingParams(temperature=1.5, top_k=6, top_p=0.9, min_p=0.05)],
-    ids=["temperature", "top_k", "top_p", "min_p", "combined"],
-)
-def test_draws_follow_the_truncated_distribution(params: SamplingParams) -> None:
+DISTRIBUTIONS = {
+    "temperature": (dict(temperature=0.8), lambda r: ref.temperature(r, 0.8)),
+    "top_k": (dict(top_k=4), lambda r: ref.top_k(r, 4)),
+    "top_p": (dict(top_p=0.7), lambda r: ref.top_p(r, 0.7)),
+    "min_p": (dict(min_p=0.2), lambda r: ref.min_p(r, 0.2)),
+    "typical": (dict(typical_p=0.6), lambda r: ref.typical_p(r, 0.6)),
+    "tfs": (dict(tfs=0.7), lambda r: ref.tfs(r, 0.7)),
+    "top_a": (dict(top_a=0.3), lambda r: ref.top_a(r, 0.3)),
+    "combined": (dict(temperature=1.5, top_k=6, top_p=0.9, min_p=0.05),
+                 lambda r: ref.min_p(ref.top_p(ref.top_k(ref.temperature(r, 1.5), 6), 0.9), 0.05)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DISTRIBUTIONS))
+def test_draws_follow_the_reference_distribution(name: str) -> None:
+    kwargs, reference = DISTRIBUTIONS[name]
     draws = 10_000
     base = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 1.5
     logits = torch.cat([base, torch.full((1, VOCAB - 12), -30.0)], dim=1)
-    md = SamplingMetadata.build([params] * draws, [None] * draws, [0] * draws, None, VOCAB, torch.device("cpu"))
-    torch.manual_seed(0)
+    params = SamplingParams(**kwargs)
+    md = build([params] * draws, seeds=list(range(draws)), histories=[[1]] * draws)
     sampled = Sampler()(logits.expand(draws, -1).clone(), md).sampled_token_ids
     counts = torch.bincount(sampled, minlength=VOCAB)
-    # Reference distribution: the stages applied one at a time in the contract's order.
-    ref = logits[0].clone() / params.temperature
-    keep = reference_top_k_top_p(ref.tolist(), params.top_k, params.top_p)
-    probs = torch.zeros(VOCAB)
-    probs[list(keep)] = ref[list(keep)].softmax(-1)
-    probs[probs < params.min_p * probs.max()] = 0
-    probs /= probs.sum()
+    probs = torch.tensor(ref.probs_of(reference(logits[0].tolist())))
     assert counts[probs == 0].sum() == 0
     assert chi_square_p_value(counts, probs) > 0.001
+
+
+def test_bad_words_and_position_bans_mask_their_tokens() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 9] = 5.0
+    logits[:, 8] = 4.0
+    word = SamplingParams(temperature=0)
+    word.bad_words_ids = [[3, 9], [8]]  # 9 only right after an output 3; 8 always
+    params = [word, word, SamplingParams(temperature=0)]
+    md = SamplingMetadata.build(params, [0, 1, 2], [[1, 3], [1, 2], [1]], [1, 1, 1], None, VOCAB,
+                                torch.device("cpu"), position_bans=[[], [], [9]])
+    out = Sampler()(logits, md).sampled_token_ids.tolist()
+    assert out == [0, 9, 8]

@@ -99,6 +99,7 @@ class FakeEngine:
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
         self.completed: list[str] = []
+        self.observers: list[Any] = []
         self.shut_down = False
 
     async def start(self) -> None:
@@ -147,6 +148,12 @@ class FakeEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_used_blocks": 0}
+
+    def cache_config_info(self) -> dict[str, str]:
+        return {"block_size": "16"}
+
+    def add_request_observer(self, observer: Any) -> None:
+        self.observers.append(observer)
 
     async def shutdown(self) -> None:
         self.shut_down = True

@@ -97,3 +97,13 @@ def test_chunked_oversized_body_413():
     assert start["status"] == 413
     error = json.loads(b"".join(_body_chunks(messages)))
     assert error["object"] == "error" and error["code"] == 413
+
+
+@pytest.mark.parametrize("path", ["/api/v1/generate", "/api/extra/generate/stream"])
+def test_kobold_disconnect_aborts_and_ends_the_job(path):
+    engine, app = _ready_app()
+    body = json.dumps({"prompt": "SLOW", "max_length": 200, "genkey": "GONE"}).encode()
+    asyncio.run(_call(app, path, body, 0.15))
+    assert len(engine.aborted) == 1 and not engine.completed
+    job = app.state.kobold_jobs.get("GONE")
+    assert not job.running and job.finish_reason == "abort" and 0 < job.completion_tokens < 200

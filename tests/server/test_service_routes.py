@@ -20,10 +20,12 @@ def _wait(predicate, timeout=2.0):
 def test_health_503_while_loading_then_200():
     engine = FakeEngine(ready_on_start=False)
     with TestClient(make_app(engine)) as client:
-        # The HTTP server is up before the model: health and model routes say 503.
+        # The HTTP server is up before the model: health and generation routes say 503, the model
+        # list answers 200 (SillyTavern reads anything else as "offline").
         assert_error_shape(client.get("/health"), 503, "ServiceUnavailableError")
         assert_error_shape(client.post("/v1/completions", json={"prompt": "hi"}), 503)
-        assert_error_shape(client.get("/v1/models"), 503)
+        models = client.get("/v1/models")
+        assert models.status_code == 200 and [c["id"] for c in models.json()["data"]] == ["fake-model", "alias"]
         assert client.get("/version").json() == {"version": __version__}
         engine.hold = False
         _wait(lambda: engine.is_ready)
@@ -45,6 +47,7 @@ def test_health_503_when_engine_fails_to_start():
         body = assert_error_shape(client.get("/health"), 503)
         assert "no weights" in body["message"]
         assert_error_shape(client.post("/v1/completions", json={"prompt": "hi"}), 503)
+        assert_error_shape(client.get("/v1/models"), 503)
 
 
 def test_models(client):
@@ -84,3 +87,11 @@ def test_detokenize(client):
     assert_error_shape(client.post("/v1/detokenize", json={"tokens": [-1]}), 400, param="tokens")
     assert_error_shape(client.post("/v1/detokenize", json={"tokens": "abc"}), 400, param="tokens")
     assert client.post("/v1/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+def test_docs_can_be_disabled():
+    with TestClient(make_app(FakeEngine())) as client:
+        assert client.get("/docs").status_code == 200 and client.get("/openapi.json").status_code == 200
+    with TestClient(make_app(FakeEngine(), disable_fastapi_docs=True)) as client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert_error_shape(client.get(path), 404)

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -15,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from paphos.core.scheduler_output import TokenLogprobs
+from paphos.outputs import CompletionOutput
 from paphos.sampling_params import SamplingParams
 from paphos.server.errors import bad_request
 from paphos.server.openai.protocol import SamplerFields
@@ -26,10 +28,15 @@ logger = logging.getLogger("paphos.server")
 M = TypeVar("M", bound=BaseModel)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """JSON body -> request model, whatever the Content-Type (curl -d sends form encoding)."""
+async def read_json_object(request: Request, *, allow_empty: bool = False) -> dict[str, Any]:
+    """The body as a JSON object, whatever the Content-Type (curl -d sends form encoding).
+
+    With `allow_empty`, an empty body reads as `{}` (Kobold's abort and check are sent bodiless).
+    """
     raw = await request.body()
     if not raw.strip():
+        if allow_empty:
+            return {}
         raise bad_request("The request body is empty; expected a JSON object.")
     try:
         data = json.loads(raw)
@@ -37,7 +44,12 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise bad_request(f"Malformed JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
-    return model.model_validate(data)  # pydantic ValidationError -> 400 (errors.py)
+    return data
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """JSON body -> request model; pydantic's ValidationError becomes a 400 (errors.py)."""
+    return model.model_validate(await read_json_object(request))
 
 
 def new_request_id(prefix: str) -> str:
@@ -72,12 +84,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def log_request(state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams) -> None:
+    """One line per request; the prompt's token ids are shown up to --max-log-len of them."""
     if state.config.disable_log_requests:
         return
+    limit = state.config.max_log_len
+    shown = [p if limit is None else p[:limit] for p in prompts]
     logger.info(
-        "request %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%s, temperature=%s",
+        "request %s: %d prompt(s), %s prompt tokens, n=%d, max_tokens=%s, temperature=%s, prompt_token_ids=%s",
         request_id, len(prompts), "+".join(str(len(p)) for p in prompts), params.n, params.max_tokens,
-        params.temperature,
+        params.temperature, shown[0] if len(shown) == 1 else shown,
     )
 
 
@@ -100,8 +115,13 @@ class Collected:
     prompt_logprobs: dict[int, list[TokenLogprobs | None]]
 
 
-async def collect(merged: MergedOutputs, n: int) -> Collected:
-    """Drains the engine outputs of every prompt; choice index = prompt_index * n + choice index."""
+async def collect(
+    merged: MergedOutputs, n: int, on_delta: Callable[[int, CompletionOutput], None] | None = None
+) -> Collected:
+    """Drains the engine outputs of every prompt; choice index = prompt_index * n + choice index.
+
+    `on_delta(choice index, delta)` sees each delta as it arrives (Kobold's generate/check).
+    """
     result = Collected({}, {})
     try:
         async for prompt_index, output in merged:
@@ -109,6 +129,8 @@ async def collect(merged: MergedOutputs, n: int) -> Collected:
                 result.prompt_logprobs[prompt_index] = output.prompt_logprobs
             for delta in output.outputs:
                 index = prompt_index * n + delta.index
+                if on_delta is not None:
+                    on_delta(index, delta)
                 choice = result.choices.setdefault(index, ChoiceResult(prompt_index))
                 choice.text.append(delta.text)
                 choice.token_ids.extend(delta.token_ids)

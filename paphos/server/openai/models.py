@@ -1,4 +1,8 @@
-"""GET /v1/models (contract §3.3): one model card per served name, with max_model_len."""
+"""GET /v1/models (contract §3.3): one model card per served name, with max_model_len.
+
+Answers 200 whenever the server is up, loading included (SillyTavern's status check, §6.1); 503
+only after the engine died.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +36,12 @@ def _permission(created: int) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = get_state(request)
-    engine = state.ready_engine()
+    engine = state.engine
+    if engine.errored or state.start_error is not None:
+        state.ready_engine()  # 503: the engine died
+    # While the model loads the list still answers 200 (SillyTavern treats anything else as
+    # offline); max_model_len is then the configured one (null when it comes from the model).
+    max_model_len = engine.max_model_len if engine.is_ready else engine.model_config.max_model_len
     created = common.now()
     root = engine.model_config.model
     cards = [
@@ -43,7 +52,7 @@ async def list_models(request: Request) -> dict[str, Any]:
             "owned_by": "paphos",
             "root": root,
             "parent": None,
-            "max_model_len": engine.max_model_len,
+            "max_model_len": max_model_len,
             "permission": [_permission(created)],
         }
         for name in state.served_model_names

@@ -98,8 +98,7 @@ class SamplerFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    # Extended samplers (§4.3). `None` = not sent. sampling.py passes each to SamplingParams when
-    # the engine supports it, and answers 400 for a non-neutral value it cannot honour (§4.5).
+    # Extended samplers (§4.3). `None` = not sent; sampling.py forwards each to SamplingParams.
     temperature_last: bool | None = None
     dynatemp_min: float | None = None
     dynatemp_max: float | None = None
@@ -149,6 +148,7 @@ class SamplerFields(OpenAIModel):
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
     grammar: str | None = None
+    aphrodite_xargs: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

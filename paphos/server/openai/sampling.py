@@ -1,10 +1,11 @@
 """Request fields -> SamplingParams, shared by completions and chat.
 
-Sits between the pydantic request (protocol.py) and the engine. Core fields are mapped by name.
-Extended samplers (§4.3) are forwarded to SamplingParams as soon as it has a field of that name;
-until then a value that would change sampling is refused with 400 `Sampler 'x' is not available
-on this server` (§4.5: an accepted sampler must take effect, never be silently dropped), while
-neutral values, which clients such as SillyTavern send all the time, pass.
+Sits between the pydantic request (protocol.py) and the engine. Every sampler field of the contract
+(§4.3) is forwarded under its canonical name; SamplingParams validates ranges and raises
+`ParamError` naming the field (-> 400). The spellings that only exist on the wire are resolved
+here: `grammar` (GBNF) and `structured_outputs` (the 0.2x form) become the `guided_*` fields, and
+`aphrodite_xargs.banned_strings(_case_sensitive)` fills the phrase bans when the top-level fields
+are absent.
 """
 
 from __future__ import annotations
@@ -15,76 +16,42 @@ from typing import Any
 from paphos.sampling_params import ParamError, SamplingParams
 from paphos.server.openai.protocol import SamplerFields
 
-_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"extra_eos_token_ids"}
-
-# Extended fields that switch a sampler on, with the value (or values) that leave it off.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "temperature_last": (False,),
-    "dynatemp_min": (0.0,),
-    "dynatemp_max": (0.0,),
-    "top_a": (0.0,),
-    "tfs": (1.0,),
-    "typical_p": (1.0,),
-    "eta_cutoff": (0.0,),
-    "epsilon_cutoff": (0.0,),
-    "nsigma": (0.0,),
-    "smoothing_factor": (0.0,),
-    "repetition_penalty": (1.0,),
-    "frequency_penalty": (0.0,),
-    "presence_penalty": (0.0,),
-    "no_repeat_ngram_size": (0,),
-    "dry_multiplier": (0.0,),
-    "xtc_probability": (0.0,),
-    "skew": (0.0,),
-    "mirostat_mode": (0,),
-    "sampler_priority": ([],),
-    "sampler_order": ([],),
-    "custom_token_bans": ([],),
-    "bad_words": ([],),
-    "banned_strings": ([],),
-    "ban_eos_token": (False,),
-    "allowed_token_ids": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
-    "grammar": (),
-}
-
-# Extended fields that only tune a sampler switched on above; forwarded when supported, otherwise
-# irrelevant (their sampler is off, or the request was refused).
-_MODIFIERS = (
-    "dynatemp_exponent", "smoothing_curve", "repetition_penalty_range", "rep_pen_slope", "dry_base",
-    "dry_allowed_length", "dry_range", "dry_sequence_breakers", "dry_max_ngram", "dry_max_occurrences",
-    "dry_early_exit_match_len", "xtc_threshold", "mirostat_tau", "mirostat_eta",
-    "banned_strings_case_sensitive", "guided_whitespace_pattern", "guided_decoding_backend",
+# Fields copied by name when sent (None = not sent).
+_EXTENDED = (
+    "temperature_last", "dynatemp_min", "dynatemp_max", "dynatemp_exponent", "top_a", "tfs", "typical_p",
+    "eta_cutoff", "epsilon_cutoff", "nsigma", "smoothing_factor", "smoothing_curve", "repetition_penalty",
+    "repetition_penalty_range", "rep_pen_slope", "frequency_penalty", "presence_penalty", "no_repeat_ngram_size",
+    "dry_multiplier", "dry_base", "dry_allowed_length", "dry_range", "dry_sequence_breakers", "dry_max_ngram",
+    "dry_max_occurrences", "dry_early_exit_match_len", "xtc_threshold", "xtc_probability", "skew",
+    "mirostat_mode", "mirostat_tau", "mirostat_eta", "sampler_priority", "sampler_order", "custom_token_bans",
+    "bad_words", "banned_strings", "banned_strings_case_sensitive", "ban_eos_token", "allowed_token_ids",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+    "response_format",
 )
-
-
-def _not_available(name: str) -> ParamError:
-    return ParamError(name, f"Sampler '{name}' is not available on this server")
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+assert set(_EXTENDED) <= _PARAM_FIELDS
+# structured_outputs keys -> guided fields.
+_STRUCTURED = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
 
 
 def _extended_kwargs(req: SamplerFields) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    for name, neutral in _NEUTRAL.items():
-        value = getattr(req, name)
-        if value is None:
+    kwargs = {name: getattr(req, name) for name in _EXTENDED if getattr(req, name) is not None}
+    if req.grammar and "guided_grammar" not in kwargs:
+        kwargs["guided_grammar"] = req.grammar
+    for key, value in (req.structured_outputs or {}).items():
+        if value in (None, "", {}, [], False):
             continue
-        if name in _PARAM_FIELDS:
-            kwargs[name] = value
-        elif value not in neutral:
-            raise _not_available(name)
-    for name in _MODIFIERS:
-        value = getattr(req, name)
-        if value is not None and name in _PARAM_FIELDS:
-            kwargs[name] = value
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        if "response_format" not in _PARAM_FIELDS:
-            raise _not_available("response_format")
-        kwargs["response_format"] = fmt
+        if key == "json_object":
+            kwargs.setdefault("response_format", {"type": "json_object"})
+        elif key in _STRUCTURED:
+            kwargs.setdefault(_STRUCTURED[key], value)
+        else:
+            raise ParamError("structured_outputs", f"unknown structured_outputs key {key!r}")
+    xargs = req.aphrodite_xargs or {}
+    if "banned_strings" not in kwargs and xargs.get("banned_strings"):
+        kwargs["banned_strings"] = list(xargs["banned_strings"])
+    if "banned_strings_case_sensitive" not in kwargs and "banned_strings_case_sensitive" in xargs:
+        kwargs["banned_strings_case_sensitive"] = bool(xargs["banned_strings_case_sensitive"])
     return kwargs
 
 

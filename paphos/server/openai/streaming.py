@@ -155,8 +155,8 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._iterator = content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,0 +1,487 @@
+"""The GPU path in one process: hardware ceilings, correctness against the reference paths, and
+engine timings on a Llama-3-8B-shaped model with dummy bf16 weights, with HF `transformers`
+`generate` (static cache) on the same shapes as the peer.
+
+    python benchmarks/bench_gpu.py --out results/gpu.json [--sections decode,sweep,...]
+        [--smollm2 PATH.gguf] [--config benchmarks/configs/llama-3-8b.json]
+
+Sections (all by default, run in this order; each one's failure is recorded and the rest go on;
+the JSON is rewritten after every section so a timeout keeps what finished):
+  ceilings     copy bandwidth (bytes read + written / s) and bf16 GEMM TFLOP/s, measured here
+  correctness  a tiny random Llama (HF checkpoint) and, with --smollm2, SmolLM2 dequantized to
+               bf16: greedy tokens of the GPU path (Triton + CUDA graphs) vs the GPU torch
+               reference backend (eager) vs the CPU reference path, on prompts that mix decode
+               rows, chunked prefill and prefix-cache hits; a divergence reports the reference's
+               top-2 logprob gap there (a near-tie when small)
+  decode       batch-1 decode at context 128 and 4096: TPOT, tok/s, GB/s and fraction of copy BW
+               (bytes per step = weights except the input embedding + the KV read)
+  profile      CUDA time by kernel kind of one eager decode step at batch 1 and 256, and the host
+               share of an engine step (engine step time - graph replay time)
+  sweep        decode step time at batch 1..256 (the weight-bound to KV-bound curve)
+  concurrent   64 sequences, 128-token prompts, 128 generated: decode tok/s and overall tok/s
+  ttft         a lone 1024-token prompt: time to the first token
+  prefill      4 x 4096-token prompts: prefill tok/s
+  hf           transformers generate, static cache, greedy, 128 in / 128 out, batch 1/16/64
+  offline      1000 prompts x 1000 in / 1000 out and 128 x 32 in / 2048 out (ignore_eos)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paphos import LLM  # noqa: E402
+from paphos.sampling_params import SamplingParams  # noqa: E402
+
+SECTIONS = ("ceilings", "correctness", "decode", "profile", "sweep", "concurrent", "ttft", "prefill", "hf", "offline")
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def cuda_time(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds of `fn` on the GPU, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def write_synthetic_tokenizer(directory: Path, vocab_size: int, eos_id: int) -> None:
+    """A word-level tokenizer with one token per id: dummy models need a tokenizer object, and
+    detokenizing through it keeps the engine's per-token host work in the measurement."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"t{eos_id}", "model_max_length": 1 << 20,
+    }))
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        self.tmp = Path(tempfile.mkdtemp(prefix="paphos-bench-"))
+        self.config = json.loads(Path(args.config).read_text())
+        self.tokenizer_dir = self.tmp / "tokenizer"
+        write_synthetic_tokenizer(self.tokenizer_dir, self.config["vocab_size"], self.config["eos_token_id"])
+        self._llm: LLM | None = None
+
+    def save(self) -> None:
+        Path(self.args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.args.out).write_text(json.dumps(self.results, indent=1, default=str))
+
+    # The engine on the 8B dummy model, built once and shared by the timing sections.
+    def llm(self) -> LLM:
+        if self._llm is None:
+            self._llm = LLM(
+                self.args.config, load_format="dummy", tokenizer=str(self.tokenizer_dir), dtype="bfloat16",
+                max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=self.args.max_num_batched_tokens,
+                gpu_memory_utilization=self.args.gmu, kv_cache_dtype=self.args.kv_cache_dtype,
+            )
+        return self._llm
+
+    def engine_steps(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+        """Runs the prompts to completion one engine step at a time: (step seconds, rows decoded)."""
+        engine = self.llm().engine
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
+        steps = []
+        while engine.has_unfinished_requests():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            steps.append((time.perf_counter() - t0, len(outputs)))
+        return steps
+
+    def weight_bytes(self) -> int:
+        model = self.llm().engine.runner.model
+        embed = model.model.embed_tokens.weight
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        return total - (0 if model.tie_word_embeddings else embed.numel() * embed.element_size())
+
+    def kv_bytes_per_token(self) -> int:
+        cache = self.llm().engine.runner.kv_caches
+        return sum(c[0, :, 0].numel() * c.element_size() for c in cache)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def section_ceilings(bench: Bench) -> dict[str, Any]:
+    n = 2 << 30  # 2 GiB: well past L2
+    buffers = torch.empty(2, n, dtype=torch.uint8, device="cuda")
+    t = cuda_time(lambda: buffers[1].copy_(buffers[0]), iters=20)
+    copy_bw = 2 * n / t
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = cuda_time(lambda: a @ b, iters=20)
+    bench.results["copy_bw"] = copy_bw
+    return {"copy_GBps": copy_bw / 1e9, "bf16_gemm_TFLOPs": 2 * 8192**3 / t / 1e12}
+
+
+def _compare_greedy(
+    make: Callable[..., LLM], variants: dict[str, dict[str, Any]], prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """Greedy tokens of each variant vs the first one (the reference), with the reference's
+    top-2 logprob gap at the first divergence of each prompt."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outs: dict[str, list] = {}
+    for name, kwargs in variants.items():
+        llm = make(**kwargs)
+        outs[name] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    ref_name = next(iter(variants))
+    ref = outs[ref_name]
+    report: dict[str, Any] = {"reference": ref_name, "prompts": len(prompts), "max_tokens": max_tokens}
+    for name, got in outs.items():
+        if name == ref_name:
+            continue
+        equal, divergences = 0, []
+        for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+            if r.token_ids == g.token_ids:
+                equal += 1
+                continue
+            at = next(j for j, (x, y) in enumerate(zip(r.token_ids, g.token_ids, strict=False)) if x != y)
+            top = r.logprobs[at].top_logprobs
+            gap = top[0] - top[1] if len(top) > 1 else None
+            divergences.append({"prompt": i, "position": at, "ref_top2_gap": gap})
+        report[name] = {"identical": equal, "divergences": divergences}
+    return report
+
+
+def _tiny_checkpoint(directory: Path) -> Path:
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():  # sharper logits than the init's std 0.02: fewer near-ties
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
+    write_synthetic_tokenizer(directory, 512, 2)
+    return directory
+
+
+def section_correctness(bench: Bench) -> dict[str, Any]:
+    tiny = _tiny_checkpoint(bench.tmp / "tiny")
+    # Shared prefixes (prefix-cache hits), long prompts (chunked under a 64-token budget) and
+    # short ones decoding beside them (mixed steps).
+    base = random_prompts(1, 150, 512, 7)[0]
+    prompts = [base[:n] + extra for n, extra in ((150, []), (120, [5, 6, 7]), (40, [9] * 30))]
+    prompts += random_prompts(5, 9, 512, 8) + random_prompts(2, 300, 512, 9)
+    common = {"max_num_batched_tokens": 64, "max_num_seqs": 16, "dtype": "bfloat16", "seed": 0}
+
+    def make(**kw: Any) -> LLM:
+        return LLM(str(tiny), **{**common, **kw})
+
+    variants = {
+        "cpu_torch_ref": {"device": "cpu"},
+        "gpu_triton_graphs": {"device": "cuda", "gpu_memory_utilization": 0.3},
+        "gpu_torch_ref_eager": {"device": "cuda", "attention_backend": "torch", "enforce_eager": True,
+                                "gpu_memory_utilization": 0.3},
+        "gpu_triton_fp8_kv": {"device": "cuda", "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.3},
+    }
+    out = {"tiny": _compare_greedy(make, variants, prompts, 32)}
+    if bench.args.smollm2:
+        from paphos.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf(Path(bench.args.smollm2))
+        texts = [
+            "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+            "Translate to German: The weather is nice today.", "1, 2, 3, 4, 5,", "Écris un poème sur la mer.",
+        ]
+        chat = [tok.encode(t) for t in texts]
+
+        def make_smol(**kw: Any) -> LLM:
+            return LLM(bench.args.smollm2, **{**common, **kw})
+
+        out["smollm2"] = _compare_greedy(make_smol, {k: variants[k] for k in list(variants)[:3]}, chat, 32)
+    return out
+
+
+def section_hf(bench: Bench) -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{k: v for k, v in bench.config.items() if k not in ("architectures", "torch_dtype")})
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialise in bf16 directly: 16 GB, not 32
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    out = {}
+    for batch in bench.args.hf_batches:
+        ids = torch.randint(10, config.vocab_size - 10, (batch, 128), device="cuda")
+        kwargs = dict(max_new_tokens=128, min_new_tokens=128, do_sample=False, cache_implementation="static",
+                      pad_token_id=0)
+        model.generate(ids, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        out[f"batch{batch}"] = {"seconds": elapsed, "output_tok_s": batch * 128 / elapsed}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _decode_stats(bench: Bench, steps: list[tuple[float, int]], batch: int, context: int) -> dict[str, Any]:
+    decode = [t for t, rows in steps[1:] if rows == batch]
+    tpot = statistics.median(decode)
+    step_bytes = bench.weight_bytes() + batch * context * bench.kv_bytes_per_token()
+    bw = bench.results.get("copy_bw")
+    return {
+        "batch": batch, "context": context, "step_ms": tpot * 1e3, "tok_s": batch / tpot,
+        "GBps": step_bytes / tpot / 1e9, "frac_copy_bw": step_bytes / tpot / bw if bw else None,
+    }
+
+
+def section_decode(bench: Bench) -> dict[str, Any]:
+    vocab = bench.config["vocab_size"]
+    out = {}
+    for context in (128, 4096):
+        steps = bench.engine_steps(random_prompts(1, context, vocab, context), 128)
+        out[f"ctx{context}"] = _decode_stats(bench, steps, 1, context + 64)
+    return out
+
+
+def section_sweep(bench: Bench) -> dict[str, Any]:
+    vocab = bench.config["vocab_size"]
+    out = {}
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        steps = bench.engine_steps(random_prompts(batch, 128, vocab, 1000 + batch), 64)
+        out[f"batch{batch}"] = _decode_stats(bench, steps, batch, 128 + 32)
+    return out
+
+
+def section_concurrent(bench: Bench) -> dict[str, Any]:
+    vocab = bench.config["vocab_size"]
+    t0 = time.perf_counter()
+    steps = bench.engine_steps(random_prompts(64, 128, vocab, 64), 128)
+    elapsed = time.perf_counter() - t0
+    stats = _decode_stats(bench, steps, 64, 128 + 64)
+    stats["overall_output_tok_s"] = 64 * 128 / elapsed
+    return stats
+
+
+def section_ttft(bench: Bench) -> dict[str, Any]:
+    vocab = bench.config["vocab_size"]
+    times = []
+    for seed in range(6):
+        steps = bench.engine_steps(random_prompts(1, 1024, vocab, 5000 + seed), 1)
+        times.append(sum(t for t, _ in steps))
+    return {"ttft_ms_median": statistics.median(times[1:]) * 1e3, "ttft_ms_all": [t * 1e3 for t in times]}
+
+
+def section_prefill(bench: Bench) -> dict[str, Any]:
+    vocab = bench.config["vocab_size"]
+    bench.engine_steps(random_prompts(1, 512, vocab, 6), 1)
+    t0 = time.perf_counter()
+    bench.engine_steps(random_prompts(4, 4096, vocab, 7), 1)
+    elapsed = time.perf_counter() - t0
+    return {"seconds": elapsed, "prefill_tok_s": 4 * 4096 / elapsed}
+
+
+def section_offline(bench: Bench) -> dict[str, Any]:
+    vocab = bench.config["vocab_size"]
+    llm = bench.llm()
+    out = {}
+    for name, n, inp, outp in (("128x32_2048", 128, 32, 2048), ("1000x1000_1000", bench.args.offline_prompts, 1000, 1000)):
+        prompts = random_prompts(n, inp, vocab, 99 + n)
+        params = SamplingParams(temperature=0.0, max_tokens=outp, ignore_eos=True)
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        produced = sum(len(r.outputs[0].token_ids) for r in results)
+        out[name] = {"prompts": n, "seconds": elapsed, "output_tok_s": produced / elapsed,
+                     "total_tok_s": (produced + n * inp) / elapsed}
+    return out
+
+
+def section_profile(bench: Bench) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for batch in (1, 256):
+        out[f"batch{batch}"] = _profile_decode_step(bench, batch)
+    out["host_batch1"] = _profile_engine_host(bench)
+    return out
+
+
+def _profile_engine_host(bench: Bench) -> dict[str, float]:
+    """Mean ms per decode step spent in each engine stage at batch 1 (wall clock; the runner's
+    share includes waiting for the GPU)."""
+    engine = bench.llm().engine
+    totals: dict[str, float] = {}
+    originals = []
+    for owner, attr, label in (
+        (engine.scheduler, "schedule", "schedule"), (engine.runner, "execute", "runner.execute"),
+        (engine.scheduler, "update_from_output", "update_from_output"),
+        (engine.output_processor, "process", "output_processor"),
+        (engine.runner.sampler, "__call__", "sampler"),
+    ):
+        fn = getattr(owner, attr)
+        originals.append((owner, attr, fn))
+
+        def timed(*a: Any, _fn: Callable = fn, _label: str = label, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - t0
+
+        if attr == "__call__":
+            engine.runner.sampler = _CallWrapper(timed)
+        else:
+            setattr(owner, attr, timed)
+    try:
+        steps = bench.engine_steps(random_prompts(1, 128, bench.config["vocab_size"], 42), 129)
+    finally:
+        engine.runner.sampler = originals[-1][0]
+        for owner, attr, _fn in originals[:-1]:
+            delattr(owner, attr)
+    n = len(steps)
+    return {label: t / n * 1e3 for label, t in totals.items()} | {"step": sum(t for t, _ in steps) / n * 1e3}
+
+
+class _CallWrapper:
+    def __init__(self, fn: Callable) -> None:
+        self._fn = fn
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        return self._fn(*a, **k)
+
+
+def _profile_decode_step(bench: Bench, batch: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from paphos.attention.testing import build_metadata
+
+    runner = bench.llm().engine.runner
+    model = runner.model
+    ctx = 160
+    blocks = -(-ctx // 16)
+    tables = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(batch)]
+    md = build_metadata([1] * batch, [ctx] * batch, tables, 16, "cuda")
+    ids = torch.randint(10, 1000, (batch,), device="cuda")
+    pos = torch.full((batch,), ctx - 1, device="cuda")
+
+    def step() -> None:
+        with torch.inference_mode():
+            model.compute_logits(model(ids, pos, runner.kv_caches, md))
+
+    eager = cuda_time(step)
+    graphs = runner.decode_graphs
+    replay = cuda_time(lambda: graphs.run(ids, pos, md)) if graphs is not None else None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for evt in prof.key_averages():
+        name = evt.key.lower()
+        kind = ("gemm" if any(s in name for s in ("gemm", "gemv", "cutlass", "matmul", "sm90", "nvjet"))
+                else "attention" if any(s in name for s in ("attn", "attention", "paged", "decode", "kv"))
+                else "norm" if "rmsnorm" in name else "rope" if "rope" in name
+                else "silu" if "silu" in name else "other")
+        kinds[kind] = kinds.get(kind, 0.0) + evt.device_time_total / 1e3
+    top = sorted(((e.key, e.device_time_total / 1e3) for e in prof.key_averages()), key=lambda x: -x[1])[:8]
+    return {"eager_step_ms": eager * 1e3, "graph_replay_ms": replay * 1e3 if replay else None,
+            "cuda_ms_by_kind": kinds, "top_kernels_ms": top}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print("\n=== bench_gpu results ===")
+    for section, value in results.items():
+        if not isinstance(value, dict):
+            print(f"{section}: {value}")
+            continue
+        print(f"[{section}]")
+        for key, item in value.items():
+            if isinstance(item, float):
+                item = round(item, 3)
+            elif isinstance(item, dict):
+                item = {k: round(v, 3) if isinstance(v, float) else v for k, v in item.items()}
+            print(f"  {key}: {item}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--smollm2", help="SmolLM2 GGUF path for the correctness section")
+    # Leaves room for the HF peer (16 GB of weights + its static cache) beside the engine.
+    parser.add_argument("--gmu", type=float, default=0.75)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--offline-prompts", type=int, default=1000)
+    parser.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    args = parser.parse_args()
+    bench = Bench(args)
+    for name in args.sections.split(","):
+        fn = globals()[f"section_{name}"]
+        t0 = time.perf_counter()
+        try:
+            bench.results[name] = fn(bench)
+        except Exception as e:  # one broken section must not lose the others' figures
+            traceback.print_exc()
+            bench.results[name] = {"error": f"{type(e).__name__}: {e}"}
+        bench.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        print(f"--- {name} done in {time.perf_counter() - t0:.1f} s: {json.dumps(bench.results[name], default=str)[:600]}",
+              flush=True)
+        bench.save()
+    print_table(bench.results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,770 @@
+"""Triton kernels for attention over the paged KV cache, with one plain launcher per kernel.
+
+Data flow: model runner (AttentionMetadata) -> model -> attention layer -> TritonAttentionBackend
+(triton_backend.py) -> the launchers here. Three jobs, each a kernel:
+
+  * `write_kv_cache_triton`: store this step's K/V rows in the paged cache by slot mapping,
+    quantizing to fp8 (stored = x / scale) when the cache is fp8;
+  * `paged_attention_decode`: rows with query_len 1, split-KV ("flash decoding"): each
+    (sequence, kv head) context is cut into NUM_SPLITS segments handled by separate programs, and a
+    second small kernel merges the partial results by their log-sum-exp. NUM_SPLITS is a launch
+    constant chosen by the caller from the number of rows only, and context lengths are read from
+    the device `seq_lens`, so the launch can be captured in a CUDA graph;
+  * `paged_attention_prefill`: chunks with query_len > 1 (possibly after a cached prefix),
+    flash-attention style: a program owns a tile of BLOCK_Q query positions x the G query heads of
+    one kv head (GQA packing: the G heads share every K/V load) and sweeps the key blocks with
+    `tl.dot` and an online softmax. Programs find their sequence by a binary search over the device
+    `query_start_loc`, so the grid depends only on the token and sequence counts.
+
+Every kernel reads K/V through the block table ([num_blocks, 2, block_size, Hkv, D] cache),
+accumulates in fp32 and uses the softmax in base 2 (scores are pre-multiplied by log2(e)).
+Only Triton APIs present in 3.6 are used (the H200 image); tests run them under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@triton.jit
+def _tanh(x):
+    # tl.math has no tanh in every Triton version we support; this form saturates cleanly
+    # (exp overflow -> 1, underflow -> -1) and its ~1e-7 absolute error is far below bf16's.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _scores(q, k_t, qk_scale, soft_cap, USE_SOFTCAP: tl.constexpr):
+    """q [M, D] x k_t [D, N] -> scores in log2 units (already times log2(e)), fp32."""
+    s = tl.dot(q, k_t)
+    if USE_SOFTCAP:
+        s = (soft_cap * 1.4426950408889634) * _tanh(s * (qk_scale / soft_cap))
+    else:
+        s = s * (qk_scale * 1.4426950408889634)
+    return s
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,
+    bt_row_ptr,
+    tok,
+    tok_valid,
+    kv_head,
+    offs_d,
+    d_valid,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_ckv,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Gather K^T [D, N] and V [N, D] of the tokens `tok` through one sequence's block table."""
+    page = tl.load(bt_row_ptr + tok // BLOCK_SIZE, mask=tok_valid, other=0).to(tl.int64)
+    base = cache_ptr + page * stride_cb + (tok % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    k_t = tl.load(base[None, :] + offs_d[:, None], mask=tok_valid[None, :] & d_valid[:, None], other=0.0)
+    v = tl.load(
+        base[:, None] + stride_ckv + offs_d[None, :], mask=tok_valid[:, None] & d_valid[None, :], other=0.0
+    )
+    return k_t, v
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v):
+    """Fold one block of masked log2-scores s [M, N] (-inf = masked) and values v [N, D] (in the
+    dot's input dtype) into (m, l, acc).
+
+    Rows that have seen no valid key yet keep m = -inf; using 0 in their place avoids the
+    (-inf) - (-inf) = NaN that would otherwise poison alpha and p.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+# ------------------------------------------------------------------------------------------ KV write
+
+
+@triton.jit
+def _round_to_fp8_grid(x, fp8_max, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 x saturated to +-fp8_max and rounded (to nearest, ties to even) onto the grid of an
+    fp8 format with MANT mantissa bits and smallest normal exponent MIN_EXP, still as fp32.
+
+    The final cast to fp8 is then exact. Rounding here rather than in the cast keeps results
+    identical on the GPU and under the Triton interpreter, whose fp8 downcast drops the carry
+    of a rounded-up mantissa (e.g. 7.99 -> 4.0 in e4m3).
+    """
+    x = tl.minimum(tl.maximum(x, -fp8_max), fp8_max)
+    ax = tl.abs(x)
+    exp = (ax.to(tl.int32, bitcast=True) >> 23) - 127
+    # Spacing of the fp8 grid around ax (subnormals share the smallest normal's spacing).
+    quantum = ((tl.maximum(exp, MIN_EXP) - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    y = ax / quantum  # exact: quantum is a power of two; y < 2 ** (MANT + 1)
+    n = y.to(tl.int32)
+    frac = y - n.to(tl.float32)
+    n += ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
+    r = n.to(tl.float32) * quantum
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    num_kv_heads,
+    head_dim,
+    k_scale,
+    v_scale,
+    fp8_max,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        # A negative slot marks a padding row that must not be stored anywhere.
+        return
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < num_kv_heads) & (offs_d < head_dim)
+    dst = (
+        cache_ptr
+        + (slot // BLOCK_SIZE) * stride_cb
+        + (slot % BLOCK_SIZE) * stride_cs
+        + offs_h * stride_ch
+        + offs_d
+    )
+    k = tl.load(k_ptr + token.to(tl.int64) * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(v_ptr + token.to(tl.int64) * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    if IS_FP8:
+        k = _round_to_fp8_grid(k.to(tl.float32) / k_scale, fp8_max, FP8_MANT, FP8_MIN_EXP)
+        v = _round_to_fp8_grid(v.to(tl.float32) / v_scale, fp8_max, FP8_MANT, FP8_MIN_EXP)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Store K/V rows [T, Hkv, D] at `slot_mapping` [T] (slot < 0: skipped) in
+    kv_cache [num_blocks, 2, block_size, Hkv, D]; fp8 caches store x / scale, saturated."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    is_fp8 = kv_cache.dtype in FP8_DTYPES
+    fp8_max = float(torch.finfo(kv_cache.dtype).max) if is_fp8 else 0.0
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        num_kv_heads,
+        head_dim,
+        float(k_scale),
+        float(v_scale),
+        fp8_max,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        IS_FP8=is_fp8,
+        FP8_MANT=3 if kv_cache.dtype == torch.float8_e4m3fn else 2,
+        FP8_MIN_EXP=-6 if kv_cache.dtype == torch.float8_e4m3fn else -14,
+        num_warps=4 if block_h * block_d <= 2048 else 8,
+    )
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    head_dim,
+    qk_scale,
+    v_scale,
+    soft_cap,
+    sliding_window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIXED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if MIXED:
+        # A flat batch that also holds prefill chunks: only its query_len == 1 sequences are ours.
+        row = tl.load(query_start_loc_ptr + seq)
+        if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
+            return
+    else:
+        row = seq
+    ctx = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx - sliding_window, 0)
+    # Segments start on BLOCK_N boundaries so each step's tokens share as few pages as possible.
+    lo_aligned = (lo // BLOCK_N) * BLOCK_N
+    seg = tl.cdiv(tl.cdiv(ctx - lo_aligned, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    seg_lo = lo_aligned + split * seg
+    seg_hi = tl.minimum(seg_lo + seg, ctx)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_valid = offs_g < GROUP
+    d_valid = offs_d < head_dim
+    heads = kv_head * GROUP + offs_g
+    row64 = row.to(tl.int64)
+    q = tl.load(
+        q_ptr + row64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)  # see _dot_fp32(); K/V follow q's dtype below
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(seg_lo, seg_hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_valid = (tok < seg_hi) & (tok >= lo)
+        k_t, v = _load_kv_tile(
+            cache_ptr, bt_row, tok, tok_valid, kv_head, offs_d, d_valid,
+            stride_cb, stride_cs, stride_ch, stride_ckv, BLOCK_SIZE,
+        )  # fmt: skip
+        s = _scores(q, k_t.to(q.dtype), qk_scale, soft_cap, USE_SOFTCAP)
+        s = tl.where(tok_valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype))
+
+    # Empty segments (short contexts, padding rows with seq_len 0) leave l = 0: write zeros.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if NUM_SPLITS == 1:
+        o = acc / l_safe[:, None] * v_scale
+        tl.store(
+            out_ptr + row64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_valid[:, None] & d_valid[None, :],
+        )
+    else:
+        # Partials are laid out [seq, Hq, NUM_SPLITS, BLOCK_D] and [seq, Hq, NUM_SPLITS].
+        part = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(
+            part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
+            acc / l_safe[:, None],
+            mask=g_valid[:, None],
+        )
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    stride_ot,
+    stride_oh,
+    head_dim,
+    v_scale,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIXED: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    if MIXED:
+        row = tl.load(query_start_loc_ptr + seq)
+        if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
+            return
+    else:
+        row = seq
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + part)
+    o = tl.load(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
+    lse_max = tl.max(lse, 0)
+    # All splits empty only for padding rows (seq_len 0); keep their weights 0, not NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    res = tl.sum(o * w[:, None], 0) / denom * v_scale
+    tl.store(
+        out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=offs_d < head_dim,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_config(head_dim: int, device: torch.device, cache_dtype: torch.dtype) -> DecodeConfig:
+    if device.type != "cuda":
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    # Measured on an H200 (benchmarks/gpu_attention_check.py --sweep, triton 3.6): bf16 decode at
+    # batch 64 x 4096 reads ~4.2 TB/s with 64-token tiles; fp8 tiles want 128 tokens.
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=128 if cache_dtype in FP8_DTYPES else 64, num_warps=4, num_stages=2)
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    query_start_loc: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> None:
+    """Attend query_len-1 rows over their paged contexts, writing `out` [T, Hq, D] in place.
+
+    Without `query_start_loc`, row i of q belongs to sequence i (a decode-only batch; rows past
+    the real ones may be padding with seq_len 0, which get zeros). With it, the batch is mixed:
+    sequence i's single row is query_start_loc[i], and sequences with query_len != 1 are skipped.
+    `num_splits` (a power of two) must not depend on context lengths for CUDA-graph capture.
+    Reads no host metadata and never synchronizes.
+    """
+    num_seqs = seq_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    if num_seqs == 0:
+        return
+    q = _last_dim_contiguous(q)
+    _check_out(out, q)
+    qk_scale, v_read_scale = _read_scales(kv_cache, scale, k_scale, v_scale)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    group = num_heads // num_kv_heads
+    cfg = config or default_decode_config(head_dim, q.device, kv_cache.dtype)
+    block_d = triton.next_power_of_2(head_dim)
+    mixed = query_start_loc is not None
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_seqs * num_heads * num_splits * block_d, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    qsl = query_start_loc if mixed else seq_lens  # any int32 pointer; unused when not mixed
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        out,
+        part_out,
+        part_lse,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        qsl,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        head_dim,
+        qk_scale,
+        v_read_scale,
+        float(soft_cap or 0.0),
+        int(sliding_window or 0),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=kv_cache.shape[2],
+        NUM_SPLITS=num_splits,
+        MIXED=mixed,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=soft_cap is not None,
+        DOT_FP32=_dot_fp32(q),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            qsl,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            v_read_scale,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            MIXED=mixed,
+            num_warps=4,
+        )
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    out_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    head_dim,
+    qk_scale,
+    v_scale,
+    soft_cap,
+    sliding_window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Sequence i owns tile slots [f(i), f(i+1)) with f(i) = query_start_loc[i] // BLOCK_Q + i,
+    # at least ceil(query_len_i / BLOCK_Q) of them; the grid is f(num_seqs) = T // BLOCK_Q + B.
+    # Find the last i with f(i) <= pid (f is non-decreasing) by bisection on the device array.
+    lo = pid * 0  # int32 tensors from the start: loop-carried values need one type
+    hi = pid * 0 + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go_right = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tile = pid - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q >= q_len:
+        return
+    if SKIP_DECODE:
+        if q_len == 1:
+            return  # handled by the split-KV decode kernel
+    ctx = tl.load(seq_lens_ptr + seq)
+    first_pos = ctx - q_len + tile * BLOCK_Q  # position of the tile's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_idx = tile * BLOCK_Q + offs_m // BLOCK_G  # query row within the chunk
+    g = offs_m % BLOCK_G
+    row_valid = (q_idx < q_len) & (g < GROUP)
+    d_valid = offs_d < head_dim
+    q_pos = ctx - q_len + q_idx
+    heads = kv_head * GROUP + g
+    tokens = (q_start + q_idx).to(tl.int64)
+    io_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=io_mask,
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)  # see _dot_fp32(); K/V follow q's dtype below
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # Keys the tile can see: up to its last query (causal), from its first query's window start.
+    kv_end = tl.minimum(first_pos + BLOCK_Q, ctx)
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(first_pos - sliding_window + 1, 0)
+        kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+
+    # Key blocks in [full_lo, full_hi) are visible to every row of the tile (below its first
+    # query, inside its last query's window) and skip the mask; the rest are masked.
+    full_hi = kv_lo + ((first_pos + 1 - kv_lo) // BLOCK_N) * BLOCK_N
+    full_lo = kv_lo
+    if USE_WINDOW:
+        full_lo = tl.maximum(kv_lo, tl.cdiv(kv_end - sliding_window, BLOCK_N) * BLOCK_N)
+    full_hi = tl.maximum(full_hi, full_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _prefill_blocks(
+        q, q_pos, m_i, l_i, acc, kv_lo, tl.minimum(full_lo, kv_end),
+        cache_ptr, bt_row, kv_head, offs_d, d_valid, stride_cb, stride_cs, stride_ch, stride_ckv, kv_end,
+        qk_scale, soft_cap, sliding_window, BLOCK_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, True,
+    )  # fmt: skip
+    m_i, l_i, acc = _prefill_blocks(
+        q, q_pos, m_i, l_i, acc, full_lo, full_hi,
+        cache_ptr, bt_row, kv_head, offs_d, d_valid, stride_cb, stride_cs, stride_ch, stride_ckv, kv_end,
+        qk_scale, soft_cap, sliding_window, BLOCK_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, False,
+    )  # fmt: skip
+    m_i, l_i, acc = _prefill_blocks(
+        q, q_pos, m_i, l_i, acc, full_hi, kv_end,
+        cache_ptr, bt_row, kv_head, offs_d, d_valid, stride_cb, stride_cs, stride_ch, stride_ckv, kv_end,
+        qk_scale, soft_cap, sliding_window, BLOCK_N, BLOCK_SIZE, USE_WINDOW, USE_SOFTCAP, True,
+    )  # fmt: skip
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None] * v_scale
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+@triton.jit
+def _prefill_blocks(
+    q, q_pos, m_i, l_i, acc, lo, hi,
+    cache_ptr, bt_row, kv_head, offs_d, d_valid, stride_cb, stride_cs, stride_ch, stride_ckv, kv_end,
+    qk_scale, soft_cap, sliding_window,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """Fold the key blocks starting in [lo, hi) into one tile's softmax state; MASKED applies the
+    causal and window masks (blocks on the diagonal or the window edge)."""
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_valid = tok < kv_end
+        k_t, v = _load_kv_tile(
+            cache_ptr, bt_row, tok, tok_valid, kv_head, offs_d, d_valid,
+            stride_cb, stride_cs, stride_ch, stride_ckv, BLOCK_SIZE,
+        )  # fmt: skip
+        s = _scores(q, k_t.to(q.dtype), qk_scale, soft_cap, USE_SOFTCAP)
+        if MASKED:
+            visible = tok[None, :] <= q_pos[:, None]
+            if USE_WINDOW:
+                visible = visible & (tok[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype))
+    return m_i, l_i, acc
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int  # packed rows per tile: BLOCK_Q query positions x BLOCK_G heads
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_prefill_config(
+    head_dim: int, device: torch.device, num_tiles_at_128: int = 1 << 30
+) -> PrefillConfig:
+    """Tile sizes; `num_tiles_at_128` is the grid the batch would have with 128-row tiles."""
+    if device.type != "cuda":
+        # The interpreter: small tiles so tests cross tile and page boundaries on tiny inputs.
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    # Measured on an H200 (--sweep, triton 3.6, Llama-3-8B heads): 128x32 tiles run a 4 x 4096
+    # prefill at ~330 TFLOP/s; when they would not fill two waves of the SMs (short prompts,
+    # a 512-token chunk), 64x64 tiles finish sooner.
+    if head_dim > 128:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if num_tiles_at_128 >= 2 * _num_sms(device):
+        return PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    skip_decode_rows: bool = True,
+    config: PrefillConfig | None = None,
+) -> None:
+    """Causal attention of every chunk of the flat batch over its paged context, into `out`.
+
+    Sequence i's query rows are query_start_loc[i]:query_start_loc[i+1], sitting at the last
+    positions of its seq_lens[i]-token context. With `skip_decode_rows`, sequences with
+    query_len 1 are left to `paged_attention_decode`. The grid is sized from q.shape[0] and the
+    number of sequences only (no host lists, no sync).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = kv_cache.shape[3]
+    if num_seqs == 0 or num_tokens == 0:
+        return
+    q = _last_dim_contiguous(q)
+    _check_out(out, q)
+    qk_scale, v_read_scale = _read_scales(kv_cache, scale, k_scale, v_scale)
+    group = num_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    cfg = config or default_prefill_config(
+        head_dim, q.device, (num_tokens // max(1, 128 // block_g) + num_seqs) * num_kv_heads
+    )
+    block_q = max(1, cfg.block_m // block_g)
+    if block_q * block_g < 16:
+        block_q = 16 // block_g  # tl.dot needs at least 16 rows
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q,
+        out,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        head_dim,
+        qk_scale,
+        v_read_scale,
+        float(soft_cap or 0.0),
+        int(sliding_window or 0),
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_N=cfg.block_n,
+        BLOCK_SIZE=kv_cache.shape[2],
+        SKIP_DECODE=skip_decode_rows,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=soft_cap is not None,
+        DOT_FP32=_dot_fp32(q),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def _read_scales(kv_cache: torch.Tensor, scale: float, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """(score scale including k_scale, v_scale) for reading the cache; the fp8 scales apply to
+    fp8 caches only (as in write_kv_cache), so fp16/bf16 caches ignore them."""
+    if kv_cache.dtype in FP8_DTYPES:
+        return float(scale * k_scale), float(v_scale)
+    return float(scale), 1.0
+
+
+def _dot_fp32(q: torch.Tensor) -> bool:
+    """Whether the kernels should feed tl.dot fp32 instead of q's dtype.
+
+    Only off the GPU, i.e. under TRITON_INTERPRET=1: the interpreter keeps bf16 as raw uint16
+    bits and its dot multiplies those integers. bf16 -> fp32 is exact, so the math is unchanged.
+    """
+    return q.device.type != "cuda" and q.dtype == torch.bfloat16
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}")

@@ -1,0 +1,51 @@
+"""Admission-time sampler preparation: what needs the tokenizer, done once per request.
+
+Data flow: `LLMEngine.validate_request` (called on the HTTP thread by the async engine, before the
+request reaches the step loop) -> `SamplingPreparer.prepare(params)` fills the engine-filled fields
+of SamplingParams: DRY breaker token ids, bad-word token sequences and the compiled grammar. The
+step loop and the runner then see only token ids and the compiled grammar, so grammar compilation
+never runs inside a step; xgrammar caches compiled grammars by their text.
+"""
+
+from __future__ import annotations
+
+from paphos.sample.guided import GrammarBackend
+from paphos.sampling_params import SamplingParams
+from paphos.tokenizer import Tokenizer
+
+
+class SamplingPreparer:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self._grammar: GrammarBackend | None = None  # built on first use (tokenizer scan: ~1 s)
+
+    def prepare(self, params: SamplingParams) -> None:
+        if params.dry_multiplier > 0 and not params.dry_breaker_ids:
+            params.dry_breaker_ids = self.breaker_ids(params.dry_sequence_breakers)
+        if params.bad_words and not params.bad_words_ids:
+            params.bad_words_ids = self.bad_words_ids(params.bad_words)
+        if params.guided is not None and params.compiled_grammar is None:
+            if self._grammar is None:
+                self._grammar = GrammarBackend(self.tokenizer.hf, self.vocab_size, self.stop_token_ids)
+            params.compiled_grammar = self._grammar.compile(params)
+
+    def breaker_ids(self, breakers: list[str]) -> list[int]:
+        """Contract §4.4.14: breaker b is the last id of encode("a" + b), which gives the token b
+        becomes after ordinary text (SentencePiece would otherwise add a leading-space marker)."""
+        ids = set()
+        for breaker in breakers:
+            encoded = self.tokenizer.encode("a" + breaker, add_special_tokens=False)
+            if encoded:
+                ids.add(encoded[-1])
+        return sorted(ids)
+
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        sequences = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences

@@ -1,0 +1,100 @@
+"""Decode lookahead: the GPU starts step N+1 of a decode-only batch before the host has read step N.
+
+Data flow: model runner, right after sampling a decode-only step through the CUDA graphs -> here.
+Without it the GPU idles while the host reads the sampled ids back, runs the output processor,
+schedules and builds the next step's inputs (~0.5 ms a step at batch 1 on an H200, 10% of an 8B
+model's step). When the next step is fully determined on the device, its graph is replayed at
+once with the sampled ids as input, and sampled; the host work of step N then overlaps the GPU
+work of step N+1.
+
+"Fully determined" means, for every row: greedy sampling whose result depends only on this
+step's logits (no penalties, DRY, n-gram bans, mirostat, grammars, phrase bans — those read the
+token history or host state), `min_tokens` no longer masking, the row not at its last allowed
+token, and the next token's KV slot in the block the current token is in (the scheduler would
+allocate nothing). The next `execute` takes the result only if the scheduler asked for exactly
+that step (same requests, positions and slots); otherwise it is dropped. Dropping is safe: the
+dropped step wrote K/V only into slots of the same requests' current blocks at positions they
+had not reached, which the real step at that position rewrites before anything reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paphos.sample.sampler import SamplerOutput
+from paphos.sampling_params import SamplingParams
+
+# Fields that may differ from their defaults without making a greedy row's next token depend on
+# anything but its logits (plus `min_tokens`, checked against the output length).
+_STATELESS_FIELDS = frozenset({
+    "n", "best_of", "temperature", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop",
+    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "logprobs", "prompt_logprobs", "extra_eos_token_ids", "logit_bias", "allowed_token_ids",
+    "custom_token_bans", "ban_eos_token", "top_k", "top_p", "min_p", "order",
+})
+_DEFAULTS = SamplingParams()
+
+
+def greedy_and_stateless(params: SamplingParams) -> bool:
+    if not params.is_greedy:
+        return False
+    for f in dataclasses.fields(params):
+        if f.name not in _STATELESS_FIELDS and getattr(params, f.name) != getattr(_DEFAULTS, f.name):
+            return False
+    return True
+
+
+@dataclass
+class Readback:
+    """A sampler result on its way to the host: copied into pinned memory without blocking, so
+    the host can queue more GPU work before it waits."""
+
+    sampled: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, result: SamplerOutput) -> Readback:
+        tensors = (result.sampled_token_ids, result.sampled_logprobs, result.sampled_ranks,
+                   result.top_token_ids, result.top_logprobs)
+        if result.sampled_token_ids.device.type != "cuda":
+            return cls(*tensors, event=None)
+        pinned = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        return cls(*pinned, event=event)
+
+    def wait(self) -> Readback:
+        if self.event is not None:
+            self.event.synchronize()
+        return self
+
+
+@dataclass
+class Lookahead:
+    """A launched next step: the rows it computed and its sampler result (still on the GPU)."""
+
+    req_ids: list[str]
+    positions: np.ndarray
+    slots: np.ndarray
+    result: SamplerOutput
+
+    def matches(self, req_ids: list[str], positions: np.ndarray, slots: np.ndarray) -> bool:
+        return (
+            req_ids == self.req_ids
+            and np.array_equal(positions, self.positions)
+            and np.array_equal(slots, self.slots)
+        )
+
+
+def next_step_in_place(positions: np.ndarray, block_size: int, max_model_len: int) -> bool:
+    """Whether every row's next token stays in the KV block of its current one."""
+    following = positions + 1
+    return bool(np.all(following % block_size != 0) and np.all(following < max_model_len))

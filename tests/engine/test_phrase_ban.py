@@ -1,0 +1,53 @@
+"""Banned phrases end to end on a tiny model (contract §4.4.12): a phrase that sampled completions
+often contain never appears once banned, the streamed deltas never retract text (the merged
+deltas are exactly the decoded streamed tokens)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from paphos.llm import LLM
+from paphos.sampling_params import SamplingParams
+
+NUM = 200
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    from tests.engine.conftest import _build
+
+    path, _ = _build(tmp_path_factory.mktemp("phrase"), "llama")
+    return LLM(str(path), dtype="float32", max_model_len=128, block_size=4)
+
+
+def sample(llm: LLM, **kwargs) -> list:
+    params = [SamplingParams(temperature=0.7, max_tokens=8, seed=i, ignore_eos=True, **kwargs) for i in range(NUM)]
+    return [o.outputs[0] for o in llm.generate(["w5 w6 w7"] * NUM, params)]
+
+
+@pytest.fixture(scope="module")
+def plain(llm: LLM) -> list:
+    return sample(llm)
+
+
+def test_banned_phrases_never_appear_in_200_completions(llm: LLM, plain: list) -> None:
+    bigrams = Counter(b for o in plain for b in {" ".join(p) for p in zip(o.text.split(), o.text.split()[1:], strict=False)})
+    phrase, count = bigrams.most_common(1)[0]
+    assert count >= 20, "the phrase must be common without the ban for the test to mean anything"
+    banned = sample(llm, banned_strings=[phrase.upper()])  # case-insensitive by default
+    for out in banned:
+        assert phrase not in out.text
+        # What was streamed is exactly the streamed tokens' text: nothing was sent and retracted.
+        assert out.text.strip() == llm.tokenizer.decode(out.token_ids).strip()
+        # A phrase completed by the very last token (max_tokens) is cut off instead of regenerated.
+        assert out.finish_reason == "length" and 1 <= len(out.token_ids) <= 8
+
+
+def test_case_sensitive_ban_only_matches_exact_case(llm: LLM, plain: list) -> None:
+    word = Counter(w for o in plain for w in o.text.split()).most_common(1)[0][0]
+    kept = sample(llm, banned_strings=[word.upper()], banned_strings_case_sensitive=True)
+    assert [o.token_ids for o in kept] == [o.token_ids for o in plain]
+    gone = sample(llm, banned_strings=[word])
+    assert all(word not in o.text.split() for o in gone)

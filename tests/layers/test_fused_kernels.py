@@ -1,0 +1,77 @@
+"""The fused Triton layer kernels against the torch layers they replace on a GPU.
+
+On CPU the kernels run in the Triton interpreter (tests/conftest.py), so CI checks them on small
+shapes. The kernels round like the torch reference, so bf16 results must agree to one ulp.
+"""
+
+import pytest
+import torch
+
+from paphos.layers import fused
+from paphos.layers.activation import SiluAndMul
+from paphos.layers.norm import RMSNorm
+from paphos.layers.rotary import RotaryEmbedding
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# The Triton interpreter truncates fp32 -> bf16 where a GPU rounds to nearest, so on CPU a result
+# may sit a few bf16 ulps away (the truncations compound); on a GPU the only freedom is the fp32 summation order.
+ULPS = 1 if DEVICE == "cuda" else 4
+
+
+def _assert_close_bf16(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-3) -> None:
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=ULPS / 128, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm_matches_rmsnorm(dtype: torch.dtype, with_residual: bool) -> None:
+    torch.manual_seed(0)
+    hidden = 96  # not a power of two: the kernel masks the tail of its block
+    norm = RMSNorm(hidden, eps=1e-5, params_dtype=dtype)
+    norm.weight.data = torch.randn(hidden, dtype=dtype)
+    x = torch.randn(5, hidden, dtype=dtype) * 3
+    residual = torch.randn(5, hidden, dtype=dtype) if with_residual else None
+    want = norm(x, residual)
+    out, summed = fused.add_rmsnorm(x.to(DEVICE), None if residual is None else residual.to(DEVICE),
+                                    norm.weight.to(DEVICE), norm.eps)
+    if with_residual:
+        _assert_close_bf16(summed.cpu(), want[1])
+        _assert_close_bf16(out.cpu(), want[0])
+    else:
+        assert summed is None
+        _assert_close_bf16(out.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(7, 2 * 80, dtype=dtype) * 4
+    want = SiluAndMul()(x)
+    got = fused.silu_and_mul(x.to(DEVICE)).cpu()
+    _assert_close_bf16(got, want)
+
+
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rope_in_place_matches_reference(rotary_fraction: float) -> None:
+    torch.manual_seed(2)
+    head_dim, hq, hkv, tokens = 32, 6, 2, 9
+    rope = RotaryEmbedding(head_dim, 256, 10000.0, rotary_dim=int(head_dim * rotary_fraction))
+    # q and k as strided views of one fused projection, as the attention layer hands them over.
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, dtype=torch.bfloat16)
+    positions = torch.randint(0, 256, (tokens,))
+    q = qkv[:, : hq * head_dim].reshape(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].reshape(tokens, hkv, head_dim)
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    dev_qkv = qkv.to(DEVICE)
+    dq = dev_qkv[:, : hq * head_dim].reshape(tokens, hq, head_dim)
+    dk = dev_qkv[:, hq * head_dim : (hq + hkv) * head_dim].reshape(tokens, hkv, head_dim)
+    got_q, got_k = fused.rope_(positions.to(DEVICE), dq, dk, rope.cos_sin_cache.to(DEVICE), rope.rotary_dim)
+    # x1*cos - x2*sin cancels: near zero an ulp of the products (|x| ~ 3) is the error scale.
+    _assert_close_bf16(got_q.cpu(), want_q, atol=ULPS * 2**-6)
+    _assert_close_bf16(got_k.cpu(), want_k, atol=ULPS * 2**-6)
+    # In place: the fused buffer holds the rotated heads; the v part is untouched.
+    torch.testing.assert_close(dev_qkv[:, (hq + hkv) * head_dim :].cpu(), qkv[:, (hq + hkv) * head_dim :])
