@@ -189,6 +189,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
          help="force the number of KV blocks (tests, benchmarks)")
     sched = parser.add_argument_group("scheduler")
     _add(sched, "--max-num-seqs", type=int, default=256, help="sequences per step (default 256)")
+    _add(sched, "--decode-lookahead", action="store_true",
+         help="experimental, GPU: launch the next greedy decode step before the current one is read back")
     _add(sched, "--max-num-batched-tokens", type=int, default=None, metavar="N",
          help="tokens per step (default 2048 with chunked prefill, else max(max-model-len, 2048))")
     _add(sched, "--enable-chunked-prefill", type=parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
@@ -292,6 +294,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
         enable_chunked_prefill=args.enable_chunked_prefill, max_model_len=max_model_len or 2048,
+        decode_lookahead=args.decode_lookahead,
     )
     api_keys = args.api_keys
     if api_keys is None:

@@ -100,6 +100,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Filled in from the model once it is known; the scheduler reads it for length checks.
     max_model_len: int = 2048
+    # Experimental (GPU): launch a greedy decode step before the previous one is read back, with
+    # each decoding request's next KV block allocated a step early (worker/lookahead.py).
+    decode_lookahead: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

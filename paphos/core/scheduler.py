@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable
 
 from paphos.config import CacheConfig, SchedulerConfig
+from paphos.core.block_pool import KVCacheBlock
 from paphos.core.kv_cache_manager import KVCacheManager
 from paphos.core.request_queue import RequestQueue
 from paphos.core.scheduler_output import (
@@ -164,6 +165,17 @@ class Scheduler:
             num_computed_tokens=req.num_computed_tokens,
         )
 
+    def _allocate_next_block_early(self, req: Request, num_new: int) -> list[KVCacheBlock]:
+        """A decoding request whose next token starts a new block gets that block one step early,
+        while the pool has blocks to spare: the runner can then launch the next decode step
+        before this one is read back (worker/lookahead.py) without waiting for this allocation.
+        Never preempts anything for it."""
+        kv = self.kv_cache_manager
+        after_step = req.num_computed_tokens + num_new
+        if not self.scheduler_config.decode_lookahead or after_step < req.num_tokens or after_step % self.cache_config.block_size or kv.num_free_blocks <= len(self.running):
+            return []
+        return kv.allocate_slots(req, num_new + 1) or []
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self._resend.discard(req.request_id)
         req.status = status
@@ -213,6 +225,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(req, num_new)
             if new_blocks is None:
                 break  # the request preempted itself: everything after it is gone too
+            new_blocks += self._allocate_next_block_early(req, num_new)
             if req.request_id in self._resend:
                 self._resend.discard(req.request_id)
                 resent.add(req.request_id)

@@ -6,10 +6,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.layers import fused
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] on the last axis -> silu(gate) * up (SwiGLU, Llama-family MLPs)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.available(x):
+            return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """x = [gate | up] on the last axis -> gelu_tanh(gate) * up (GeGLU with HF's
+    `gelu_pytorch_tanh`, Gemma MLPs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

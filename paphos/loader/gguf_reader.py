@@ -2,7 +2,7 @@
 
 Data flow: `GGUFCheckpoint` (gguf_loader.py) -> `read_gguf(path)` -> `GGUFFile{metadata, tensors}`;
 each `GGUFTensor.data` is a zero-copy view of the file in the layout `gguf.quants.dequantize`
-expects, so dequantization stays with the `gguf` package.
+(and our torch dequantizers, paphos/quant/gguf/dequant.py) read: uint8 [..., bytes per row].
 
 Why not `gguf.GGUFReader`: it builds a numpy view per element of every metadata array, so a
 49k-token vocabulary costs 3-7 s of CPU before the first tensor is read (and a 128k vocabulary with

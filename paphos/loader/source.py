@@ -8,7 +8,11 @@ Data flow (engine start-up):
     model = model_cls(source.hf_config, ...)
     source.load_into(model, seed)   # streams (hf_name, tensor) into model.load_weights, or dummy
 
-Format detection (`detect_format`): a `.gguf` file (or a directory holding exactly one) is GGUF;
+GGUF tensors that a layer's quant method keeps quantized (its `raw_tensor_names`, e.g.
+`paphos.quant.gguf.GGUFLinearMethod`) are streamed as their raw blocks; the rest dequantized.
+
+Format detection (`detect_format`): a `.gguf` file (or a directory holding exactly one model:
+one file, or the files of one split model) is GGUF;
 a directory with `*.safetensors` is safetensors; "dummy" is only ever chosen explicitly.
 """
 
@@ -16,7 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +37,7 @@ from paphos.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "gguf", "dummy")
+_SPLIT_FIRST = re.compile(r".+-00001-of-\d{5}\.gguf")
 GGUF_MAGIC = b"GGUF"
 # generation_config.json keys that are sampling defaults (Aphrodite/vLLM apply them when a request
 # leaves the field unset).
@@ -59,6 +65,11 @@ def find_gguf_file(path: str | Path) -> Path:
     files = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(files) == 1:
         return files[0]
+    firsts = [f for f in files if _SPLIT_FIRST.fullmatch(f.name)]
+    if len(firsts) == 1 and all(
+        f.name.startswith(firsts[0].name[: -len("00001-of-00000.gguf")]) for f in files
+    ):
+        return firsts[0]  # the files of one split model: loading starts from the first
     if not files:
         raise LoaderError(f"{path}: no .gguf file found")
     names = ", ".join(f.name for f in files)
@@ -114,24 +125,38 @@ class ModelSource:
     eos_token_ids: tuple[int, ...]  # every end-of-generation id, the primary EOS first
     max_model_len: int  # the model's context length (cap for --max-model-len)
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)  # sampling defaults
-    # dtype of the checkpoint's float weights, the hint for `--dtype auto`; None for GGUF (weights
-    # are dequantized to float32; pick by device) and for configs that do not say.
+    # dtype of the checkpoint's float weights, the hint for `--dtype auto`; None for GGUF (pick by
+    # device) and for configs that do not say.
     checkpoint_dtype: torch.dtype | None = None
     description: str = ""  # one line for the start-up log (format, quant types)
-    _weights: Callable[[bool], WeightsIterator] | None = field(default=None, repr=False)
+    gguf: GGUFCheckpoint | None = field(default=None, repr=False)  # the parsed header of a GGUF model
+    # (show_progress, names to stream raw) -> weights
+    _weights: Callable[[bool, Container[str]], WeightsIterator] | None = field(default=None, repr=False)
 
-    def iter_weights(self, *, show_progress: bool = True) -> WeightsIterator:
-        """`(hf_name, tensor)` pairs for `model.load_weights`; not available for dummy models."""
+    def iter_weights(self, *, show_progress: bool = True, raw_names: Container[str] = ()) -> WeightsIterator:
+        """`(hf_name, tensor)` pairs for `model.load_weights`; not available for dummy models.
+        `raw_names`: GGUF tensors to stream as stored (quantized blocks) instead of dequantized."""
         if self._weights is None:
             raise LoaderError(f"{self.path}: dummy models have no weights; use fill_dummy_weights")
-        return self._weights(show_progress)
+        return self._weights(show_progress, raw_names)
 
     def load_into(self, model: torch.nn.Module, *, seed: int = 0, show_progress: bool = True) -> None:
         """Fill `model`'s parameters: `model.load_weights(...)`, or random values for dummy."""
         if self.load_format == "dummy":
             fill_dummy_weights(model, seed)
         else:
-            model.load_weights(self.iter_weights(show_progress=show_progress))
+            model.load_weights(
+                self.iter_weights(show_progress=show_progress, raw_names=raw_tensor_names(model))
+            )
+
+
+def raw_tensor_names(model: torch.nn.Module) -> frozenset[str]:
+    """Checkpoint tensors that the model's quant methods keep in their stored form."""
+    return frozenset(
+        name
+        for module in model.modules()
+        for name in getattr(getattr(module, "quant_method", None), "raw_tensor_names", ())
+    )
 
 
 def load_model_source(
@@ -166,7 +191,10 @@ def load_model_source(
             max_model_len=derive_max_model_len(checkpoint.hf_config),
             generation_defaults=checkpoint.generation_defaults(),
             description=f"{fmt} {checkpoint.path.name} ({checkpoint.architecture}; {quant})",
-            _weights=None if fmt == "dummy" else (lambda show: checkpoint.iter_weights(show_progress=show)),
+            gguf=checkpoint,
+            _weights=None
+            if fmt == "dummy"
+            else (lambda show, raw: checkpoint.iter_weights(show_progress=show, raw_names=raw)),
         )
 
     if fmt == "dummy":
@@ -185,7 +213,7 @@ def load_model_source(
         model_dir = path
         tok = _load_tokenizer(tokenizer or path, chat_template, required=True)
 
-        def weights(show: bool) -> WeightsIterator:
+        def weights(show: bool, raw_names: Container[str]) -> WeightsIterator:
             return iter_safetensors(path, show_progress=show)
 
     generation = _read_generation_config(model_dir)

@@ -17,12 +17,19 @@ def num_kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None, float]:
-    """(theta, scaling dict or None, partial_rotary_factor).
+def rope_parameters(config: Any, layer_type: str | None = None) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling dict or None, partial_rotary_factor) of the layers of `layer_type`
+    ('sliding_attention' / 'full_attention' for models whose layer kinds differ in RoPE, Gemma 3).
 
-    transformers 5 keeps everything in `config.rope_parameters` (rope_theta, rope_type, ...);
-    4.x has `rope_theta` and an optional `rope_scaling` dict (with 'type' or 'rope_type')."""
+    transformers 5 keeps everything in `config.rope_parameters` (rope_theta, rope_type, ...),
+    nested by layer type where types differ; 4.x has `rope_theta` and an optional `rope_scaling`
+    dict (with 'type' or 'rope_type'), and Gemma 3's sliding layers use `rope_local_base_freq`
+    without scaling."""
     params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        return float(config.rope_local_base_freq), None, 1.0
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         scaling: dict[str, Any] | None = params

@@ -47,6 +47,7 @@ class DecodeGraphs:
         self.max_batch = self.buckets[-1]
         max_blocks = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
+        self.block_size = block_size
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
@@ -120,15 +121,19 @@ class DecodeGraphs:
             self.block_tables[n:batch, 0].zero_()
         return self._replay(n)
 
-    def run_next(self, sampled_ids: torch.Tensor) -> torch.Tensor:
+    def run_next(self, sampled_ids: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         """Replays the next decode step of the batch the last `run` or `run_next` replayed, with
-        its sampled ids as input, without the host: every row moves one position on, into the
-        next slot of the block it is in (the caller checks that no row crosses a block)."""
+        its sampled ids as input and no host data but the block tables (device tensor, already
+        holding every row's next block): each row moves one position on, its slot looked up in
+        its block table on the device."""
         n = sampled_ids.shape[0]
         self.input_ids[:n].copy_(sampled_ids)
-        self.positions[:n].add_(1)
+        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+        positions = self.positions[:n].add_(1)
         self.seq_lens[:n].add_(1)
-        self.slot_mapping[:n].add_(1)
+        block_size = self.block_size
+        blocks = self.block_tables[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        torch.add(positions % block_size, blocks.long(), alpha=block_size, out=self.slot_mapping[:n])
         return self._replay(n)
 
     def _replay(self, n: int) -> torch.Tensor:

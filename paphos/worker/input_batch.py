@@ -139,18 +139,23 @@ def build_step_inputs(
 class DeviceUploader:
     """Moves a step's index arrays to the device in one copy per dtype through a pinned staging
     buffer that lives as long as the runner: a pageable `.to(device)` per array would cost one
-    synchronous copy each. Reusing the buffer is safe because every step ends by reading the sampled
-    ids back, so the previous step's copies have finished."""
+    synchronous copy each. The copy is asynchronous, so before the buffer is rewritten the host
+    waits for the previous copy out of it (already done in the common case, where the step was
+    read back; not so after a step that sampled nothing, e.g. a long prompt's middle chunk)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._staging: dict[type, torch.Tensor] = {}
+        self._copied: dict[type, torch.cuda.Event] = {}
 
     def upload(self, arrays: tuple[np.ndarray, ...], dtype: type) -> list[torch.Tensor]:
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
         sizes = [a.size for a in arrays]
         total = sum(sizes)
+        previous_copy = self._copied.get(dtype)
+        if previous_copy is not None:
+            previous_copy.synchronize()
         staging = self._staging.get(dtype)
         if staging is None or staging.numel() < total:
             grown = max(total, 2 * staging.numel() if staging is not None else 0, 4096)
@@ -162,4 +167,7 @@ class DeviceUploader:
             host[offset : offset + n] = a.ravel()
             offset += n
         flat = staging[:total].to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[dtype] = event
         return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]

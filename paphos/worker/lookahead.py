@@ -10,11 +10,13 @@ work of step N+1.
 "Fully determined" means, for every row: greedy sampling whose result depends only on this
 step's logits (no penalties, DRY, n-gram bans, mirostat, grammars, phrase bans — those read the
 token history or host state), `min_tokens` no longer masking, the row not at its last allowed
-token, and the next token's KV slot in the block the current token is in (the scheduler would
-allocate nothing). The next `execute` takes the result only if the scheduler asked for exactly
+token, and the next token's KV block already allocated (the scheduler allocates a decoding
+request's next block one step early while the pool has blocks to spare). The next `execute` takes the result only if the scheduler asked for exactly
 that step (same requests, positions and slots); otherwise it is dropped. Dropping is safe: the
-dropped step wrote K/V only into slots of the same requests' current blocks at positions they
-had not reached, which the real step at that position rewrites before anything reads them.
+dropped step wrote K/V only into slots the same requests held at positions they had not reached
+(never into a full, hashed block, which nothing else could share yet), and the real step at that
+position rewrites them before anything reads them; a block freed meanwhile is written by its next
+owner only after the dropped step has run, in stream order.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.sampler import SamplerOutput
 from paphos.sampling_params import SamplingParams
 
@@ -66,7 +69,10 @@ class Readback:
                    result.top_token_ids, result.top_logprobs)
         if result.sampled_token_ids.device.type != "cuda":
             return cls(*tensors, event=None)
-        pinned = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        pinned = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, t in zip(pinned, tensors, strict=True):
+            if host is not None:
+                host.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return cls(*pinned, event=event)
@@ -85,6 +91,7 @@ class Lookahead:
     positions: np.ndarray
     slots: np.ndarray
     result: SamplerOutput
+    metadata: SamplingMetadata
 
     def matches(self, req_ids: list[str], positions: np.ndarray, slots: np.ndarray) -> bool:
         return (
@@ -94,7 +101,16 @@ class Lookahead:
         )
 
 
-def next_step_in_place(positions: np.ndarray, block_size: int, max_model_len: int) -> bool:
-    """Whether every row's next token stays in the KV block of its current one."""
+def next_slots_if_allocated(
+    positions: np.ndarray, block_ids: list[list[int]], block_size: int, max_model_len: int
+) -> np.ndarray | None:
+    """The KV slot of every row's next token, or None when some row's next token would need a
+    block the scheduler has not allocated yet or would pass max_model_len."""
     following = positions + 1
-    return bool(np.all(following % block_size != 0) and np.all(following < max_model_len))
+    index = following // block_size
+    if np.any(following >= max_model_len) or any(i >= len(ids) for i, ids in zip(index.tolist(), block_ids,
+                                                                                  strict=True)):
+        return None
+    blocks = np.fromiter((ids[i] for i, ids in zip(index.tolist(), block_ids, strict=True)), dtype=np.int64,
+                         count=len(block_ids))
+    return blocks * block_size + following % block_size

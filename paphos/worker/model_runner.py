@@ -1,8 +1,10 @@
 """ModelRunner: SchedulerOutput -> one forward pass over the flat batch -> ModelRunnerOutput.
 
-Owns the model, the paged KV cache tensors, the per-request input state and the per-request
-random generators. The only host<->device synchronisation per step is reading back the sampled
-ids and the logprobs that were asked for.
+Owns the model, the paged KV cache tensors, the per-request input state (updated by the
+scheduler's diffs) and the per-request sampling state. On a GPU, decode-only steps replay CUDA
+graphs (cuda_graphs.py) and, where the next step is determined on the device, the next step is
+launched before this one is read back (lookahead.py). The only host<->device synchronisation per
+step is reading back the sampled ids and the logprobs that were asked for, once, together.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from paphos.worker.input_batch import (
     build_step_inputs,
 )
 from paphos.worker.kv_cache import KVCacheSpec, allocate_kv_caches
-from paphos.worker.lookahead import Lookahead, Readback, greedy_and_stateless, next_step_in_place
+from paphos.worker.lookahead import Lookahead, Readback, greedy_and_stateless, next_slots_if_allocated
 
 
 def derive_seed(seed: int) -> int:
@@ -45,9 +47,11 @@ class ModelRunner:
         vocab_size: int,
         eos_token_id: int | None,
         max_model_len: int,
+        decode_lookahead: bool = False,
     ) -> None:
         self.model = model
         self.max_model_len = max_model_len
+        self.decode_lookahead = decode_lookahead
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -72,6 +76,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self._forget_sampling_state(req_id)
         apply_scheduler_diffs(self.states, scheduler_output)
+        lookahead, self._lookahead = self._lookahead, None
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], sampled_logprobs=[])
 
@@ -80,21 +85,21 @@ class ModelRunner:
         output = ModelRunnerOutput(inputs.req_ids, [[] for _ in range(num_reqs)], [[] for _ in range(num_reqs)])
         states = [self.states[inputs.req_ids[i]] for i in inputs.sampling_reqs]
 
-        lookahead, self._lookahead = self._lookahead, None
         hidden: torch.Tensor | None = None
         result: SamplerOutput | None = None
         if lookahead is not None and lookahead.matches(inputs.req_ids, inputs.host_positions, inputs.host_slots):
-            result, on_graphs = lookahead.result, True
+            result, metadata, on_graphs = lookahead.result, lookahead.metadata, True
         else:
             hidden, sampling_logits = self._forward(inputs)
             on_graphs = hidden is None
             if inputs.sampling_reqs:
                 assert sampling_logits is not None
-                result = self._sample(sampling_logits[:, : self.vocab_size], states)
+                metadata = self._sampling_metadata(states)
+                result = self._sample(sampling_logits[:, : self.vocab_size], states, metadata)
         if result is not None:
             readback = Readback.start(result)
-            if on_graphs:
-                self._lookahead = self._launch_lookahead(inputs, states, result)
+            if on_graphs and self.decode_lookahead:
+                self._lookahead = self._launch_lookahead(inputs, states, result, metadata)
             self._accept(readback.wait(), states, inputs.sampling_reqs, output)
 
         for batch_idx, (rows, targets) in inputs.prompt_logprob_rows.items():
@@ -133,35 +138,31 @@ class ModelRunner:
         return seed
 
     def _launch_lookahead(
-        self, inputs: StepInputs, states: list[RequestState], result: SamplerOutput
+        self, inputs: StepInputs, states: list[RequestState], result: SamplerOutput, metadata: SamplingMetadata
     ) -> Lookahead | None:
         """Replays the next decode step of this graph batch now, if it is fully determined on the
         device (lookahead.py); None otherwise."""
         assert self.decode_graphs is not None
-        eligible = next_step_in_place(inputs.host_positions, self.block_size, self.max_model_len) and all(
+        eligible = all(
             greedy_and_stateless(s.sampling_params)
-            and s.sampling_params.min_tokens <= s.num_output_tokens + 1
+            and s.sampling_params.min_tokens <= s.num_output_tokens
             and (s.sampling_params.max_tokens is None or s.num_output_tokens + 1 < s.sampling_params.max_tokens)
             for s in states
         )
-        if not eligible:
+        next_slots = next_slots_if_allocated(inputs.host_positions, [s.block_ids for s in states],
+                                             self.block_size, self.max_model_len) if eligible else None
+        if next_slots is None:
             return None
-        logits = self.decode_graphs.run_next(result.sampled_token_ids)
-        # What the sampler sees of each row one token later: one more output token. The rows'
-        # params exclude every sampler that reads the history, so only the count matters; it is
-        # moved by one without copying the token list.
-        next_states = [
-            RequestState(s.req_id, s.token_ids, s.num_prompt_tokens - 1, s.sampling_params, s.block_ids,
-                         s.num_computed_tokens + 1)
-            for s in states
-        ]
-        next_result = self._sample(logits[:, : self.vocab_size], next_states)
-        return Lookahead(list(inputs.req_ids), inputs.host_positions + 1, inputs.host_slots + 1, next_result)
+        logits = self.decode_graphs.run_next(result.sampled_token_ids, inputs.attn_metadata.block_tables)
+        # The rows' params exclude everything that reads the history or the output count (greedy,
+        # no min_tokens mask left), so this step's metadata holds for the next one: no host data
+        # is built or copied (a pageable host->device copy would wait for the replay just queued).
+        next_result = self._sample(logits[:, : self.vocab_size], states, metadata)
+        return Lookahead(list(inputs.req_ids), inputs.host_positions + 1, next_slots, next_result, metadata)
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> SamplerOutput:
-        """Sampler call for the rows that sample this step; the result stays on the device."""
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         rows = [(row, s.req_id, s.sampling_params, s.num_output_tokens) for row, s in enumerate(states)]
-        metadata = SamplingMetadata.build(
+        return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             seeds=[self._seed(s) for s in states],
             token_ids=[s.token_ids for s in states],
@@ -173,6 +174,9 @@ class ModelRunner:
             position_bans=[s.sampling_params.position_bans.get(s.num_output_tokens, ()) for s in states],
             grammar_bitmask=self.guided.bitmask(rows, self.vocab_size),
         )
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState], metadata: SamplingMetadata) -> SamplerOutput:
+        """Sampler call for the rows that sample this step; the result stays on the device."""
         result = self.sampler(logits, metadata)
         if result.mirostat_mu is not None:
             for row, state in enumerate(states):

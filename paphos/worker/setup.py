@@ -106,7 +106,7 @@ def load_worker(config: EngineConfig) -> Worker:
     eos_ids = source.eos_token_ids
     runner = ModelRunner(
         model, kv_spec, num_blocks, config.cache.block_size, device, model.vocab_size,
-        eos_ids[0] if eos_ids else None, max_model_len,
+        eos_ids[0] if eos_ids else None, max_model_len, config.scheduler.decode_lookahead,
     )
     if device.type == "cuda" and not model_config.enforce_eager:
         if backend.name == "triton":

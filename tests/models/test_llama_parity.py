@@ -13,12 +13,10 @@ from transformers import LlamaForCausalLM as HFLlama
 from transformers import MistralForCausalLM as HFMistral
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from paphos.attention.testing import allocate_block_tables, build_metadata
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.models.registry import resolve_model_class
+from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule
 
-BLOCK = 4
-NUM_BLOCKS = 32
 TOL = 1e-4
 SMALL = dict(
     hidden_size=64,
@@ -85,39 +83,6 @@ def make_ours(cfg, hf):
     model.load_weights(hf.state_dict().items())
     caches = [torch.zeros(model.kv_cache_shape_per_layer(NUM_BLOCKS, BLOCK)) for _ in range(model.num_layers)]
     return model, caches
-
-
-def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(ids[None]).logits[0].float()
-
-
-def run_schedule(model, caches, seqs: list[torch.Tensor], steps: list[list[int]]) -> list[torch.Tensor]:
-    """Drive the model like a runner would: steps[s][i] tokens of sequence i are computed in step
-    s (0 = not scheduled). Returns, per sequence, the logits of every computed position."""
-    tables = allocate_block_tables(
-        [len(s) for s in seqs], BLOCK, NUM_BLOCKS, torch.Generator().manual_seed(1)
-    )
-    done = [0] * len(seqs)
-    out: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for step in steps:
-        active = [i for i, n in enumerate(step) if n]
-        ids, pos = [], []
-        for i in active:
-            ids.append(seqs[i][done[i] : done[i] + step[i]])
-            pos.append(torch.arange(done[i], done[i] + step[i]))
-        md = build_metadata(
-            [step[i] for i in active], [done[i] + step[i] for i in active], [tables[i] for i in active], BLOCK
-        )
-        with torch.inference_mode():
-            hidden = model(torch.cat(ids), torch.cat(pos), caches, md)
-            logits = model.compute_logits(hidden)
-        assert logits.dtype == torch.float32 and logits.shape == (md.num_tokens, model.vocab_size)
-        for i, rows in zip(active, logits.split([step[i] for i in active]), strict=True):
-            out[i].append(rows)
-            done[i] += step[i]
-    assert done == [len(s) for s in seqs]
-    return [torch.cat(o) for o in out]
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,12 @@ from paphos.layers.linear import Linear, MergedColumnLinear
 from paphos.loader.gguf_loader import unpermute_qk
 from paphos.loader.gguf_reader import GGUFTensor
 from paphos.models import hf_config
-from paphos.quant.gguf import LlamaCppLinearMethod, LlamaCppQuantConfig, quant_config_for_source
+from paphos.quant.gguf import (
+    GGUFQuantConfig,
+    LlamaCppLinearMethod,
+    LlamaCppQuantConfig,
+    quant_config_for_source,
+)
 from paphos.quant.gguf.activations import (
     _div,
     activation_format,
@@ -225,12 +230,18 @@ def test_block_minima_follow_the_loaders_qk_permutation() -> None:
 
 
 def test_numerics_modes() -> None:
+    from paphos.default_model import default_model_path
+
     class Source:
         load_format = "safetensors"
+        path = default_model_path()
+        hf_config = None
 
     assert quant_config_for_source(Source(), "llamacpp") is None
     Source.load_format = "gguf"
-    assert quant_config_for_source(Source(), "float") is None
+    # The default keeps weights quantized (GGUFLinearMethod); 'llamacpp' rounds activations.
+    assert isinstance(quant_config_for_source(Source(), "float"), GGUFQuantConfig)
+    assert isinstance(quant_config_for_source(Source(), "llamacpp"), LlamaCppQuantConfig)
     with pytest.raises(ConfigError, match="--gguf-numerics"):
         ModelConfig(model="m.gguf", gguf_numerics="fast")
 

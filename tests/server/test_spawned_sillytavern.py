@@ -1,9 +1,8 @@
 """Replays what SillyTavern sends for its `aphrodite`, `koboldcpp` and Kobold-classic API types
 (contract §6) against the real server, and checks what SillyTavern reads back.
 
-Payloads follow the contract's field lists. Sampler fields this server may not implement yet are
-sent with their neutral values (a non-neutral value of a missing sampler is a 400 by §4.5, tested
-elsewhere); the core samplers carry real values.
+Payloads follow the contract's field lists, with the sampler values a SillyTavern preset sends
+(repetition penalty, DRY, XTC, KoboldCpp sampler order), so every field goes through the samplers.
 """
 
 from __future__ import annotations
@@ -20,17 +19,17 @@ from tests.server.test_spawned_kobold import kobold_events, wait_idle, wait_runn
 
 ERROR_KEYS = {"message", "error", "detail"}
 
-# Fields every text-completion type sends (§6.1), neutral where a sampler may be missing.
+# Fields every text-completion type sends (§6.1).
 COMMON = {
     "max_tokens": 6, "max_new_tokens": 6, "temperature": 0.7, "temperature_last": False, "top_p": 0.95, "top_k": 40,
     "typical_p": 1, "typical": 1, "min_p": 0.05, "top_a": 0, "tfs": 1, "skew": 0, "smoothing_factor": 0,
-    "smoothing_curve": 1, "repetition_penalty": 1, "frequency_penalty": 0, "presence_penalty": 0, "min_tokens": 0,
-    "dry_multiplier": 0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 0,
+    "smoothing_curve": 1, "repetition_penalty": 1.1, "frequency_penalty": 0, "presence_penalty": 0, "min_tokens": 0,
+    "dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 0,
     "dry_sequence_breakers": json.dumps(["\n", ":", "\"", "*"]), "stop": ["\nUser:"], "stopping_strings": ["\nUser:"],
     "truncation_length": 2048, "max_tokens_second": 0, "add_bos_token": True, "ban_eos_token": False,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "ignore_eos": False, "early_stopping": False,
     "include_stop_str_in_output": False, "eta_cutoff": 0, "epsilon_cutoff": 0, "mirostat_mode": 0,
-    "mirostat_tau": 5, "mirostat_eta": 0.1, "xtc_threshold": 0.1, "xtc_probability": 0, "banned_strings": [],
+    "mirostat_tau": 5, "mirostat_eta": 0.1, "xtc_threshold": 0.1, "xtc_probability": 0.5, "banned_strings": [],
     "seed": 1234, "sampler_seed": 1234, "guided_grammar": "", "guided_json": {}, "nsigma": 0, "top_n_sigma": 0,
     "no_repeat_ngram_size": 0, "sampler_priority": [], "include_reasoning": True, "min_keep": 0,
     "adaptive_target": 0, "adaptive_decay": 0, "api_server": "http://127.0.0.1:2242",
@@ -38,9 +37,9 @@ COMMON = {
 APHRODITE = {**COMMON, "model": NAME, "api_type": "aphrodite", "custom_token_bans": [], "logprobs": 10, "n": 1}
 # koboldcpp type: no model, KoboldCpp spellings and sampler ids, bans as a comma string, seed -1.
 KOBOLDCPP = {
-    **COMMON, "seed": -1, "sampler_order": [], "grammar": "", "grammar_retain_state": False, "trim_stop": True,
-    "rep_pen": 1, "rep_pen_range": 0, "repetition_penalty_range": 0, "rep_pen_slope": 1, "custom_token_bans": "",
-    "mirostat": 0, "repeat_penalty": 1, "tfs_z": 1, "repeat_last_n": 0, "n_probs": 10, "n_predict": 6,
+    **COMMON, "seed": -1, "sampler_order": [6, 0, 1, 3, 4, 2, 5], "grammar": "", "grammar_retain_state": False,
+    "trim_stop": True, "rep_pen": 1.1, "rep_pen_range": 1024, "repetition_penalty_range": 1024, "rep_pen_slope": 1,
+    "custom_token_bans": "", "mirostat": 0, "repeat_penalty": 1.1, "tfs_z": 1, "repeat_last_n": 0, "n_probs": 10, "n_predict": 6,
     "num_predict": 6, "num_ctx": 2048, "guidance_scale": 1, "negative_prompt": "", "grammar_string": "",
     "logit_bias": {},
 }
@@ -123,9 +122,9 @@ def test_kobold_classic(base):
 
     preset = {
         "prompt": PROMPT, "use_story": False, "use_memory": False, "use_authors_note": False, "use_world_info": False,
-        "max_context_length": 1024, "max_length": 6, "rep_pen": 1, "rep_pen_range": 0, "rep_pen_slope": 1,
+        "max_context_length": 1024, "max_length": 6, "rep_pen": 1.1, "rep_pen_range": 1024, "rep_pen_slope": 1,
         "temperature": 0.7, "tfs": 1, "top_a": 0, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "typical": 1,
-        "sampler_order": [], "singleline": False, "use_default_badwordsids": False, "mirostat": 0, "mirostat_eta": 0.1,
+        "sampler_order": [6, 0, 1, 3, 4, 2, 5], "singleline": False, "use_default_badwordsids": False, "mirostat": 0, "mirostat_eta": 0.1,
         "mirostat_tau": 5, "grammar": "", "sampler_seed": 7, "stop_sequence": ["\nUser:"],
     }
     r = httpx.post(f"{api}/v1/generate", json=preset, timeout=120)

@@ -24,8 +24,9 @@ identical greedy continuations. This mode measures the same distance to llama.cp
 0.012 mean |delta| with f16 attention rounding). Matching llama.cpp token for token needs kernels
 that also reproduce ggml's reduction order (tests/quant/ggml_reference_ops.py specifies the elementwise side).
 
-Scope: weights stay float32 in memory (native quantized kernels are separate work); the
-embedding lookup needs nothing (ggml's get_rows dequantizes exactly as `gguf` does).
+Scope: weights stay float32 in memory (the default GGUF mode, `GGUFLinearMethod`, keeps them
+quantized; this mode is for numerics studies); the embedding lookup needs nothing (ggml's get_rows
+dequantizes exactly as `gguf` does).
 """
 
 from __future__ import annotations
@@ -42,19 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from paphos.layers.linear import LinearBase, UnquantizedLinearMethod
-from paphos.loader.gguf_loader import gguf_to_hf_name, unpermute_qk
-from paphos.loader.gguf_reader import GGUFTensor, read_gguf
+from paphos.loader.gguf_loader import GGUFCheckpoint, unpermute_qk
+from paphos.loader.gguf_reader import GGUFTensor
 from paphos.quant.gguf.activations import TYPES_WITH_BLOCK_MIN, activation_format, quantize_activations
+from paphos.quant.gguf.linear import checkpoint_names
 
 logger = logging.getLogger(__name__)
-
-
-# Our merged layers -> the checkpoint projections they hold, in output order (the model's
-# stacking, as vLLM's `packed_modules_mapping`).
-PACKED_MODULES: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 
 
 @dataclass(frozen=True)
@@ -189,22 +183,13 @@ class LlamaCppQuantConfig:
     def from_gguf(cls, path: str | Path, hf_config: Any | None = None) -> LlamaCppQuantConfig:
         from paphos.models import hf_config as hf
 
-        tensors = {}
-        for t in read_gguf(path).tensors:
-            name = gguf_to_hf_name(t.name)
-            if name is not None:
-                tensors[name] = t
+        tensors = GGUFCheckpoint(path).tensors_by_hf_name()
         return cls(tensors, hf.head_dim(hf_config) if hf_config is not None else None)
 
     def _shard_names(self, prefix: str) -> list[str]:
         if prefix == "lm_head" and "lm_head.weight" not in self.tensors:
             return ["model.embed_tokens.weight"]
-        parent, _, leaf = prefix.rpartition(".")
-        if leaf in PACKED_MODULES:
-            return [
-                f"{parent}.{part}.weight" if parent else f"{part}.weight" for part in PACKED_MODULES[leaf]
-            ]
-        return [f"{prefix}.weight"]
+        return checkpoint_names(prefix)
 
     def get_linear_method(self, prefix: str) -> LlamaCppLinearMethod | None:
         names = self._shard_names(prefix)
@@ -216,17 +201,3 @@ class LlamaCppQuantConfig:
         if all(activation_format(t.tensor_type.name) == "F32" for t in tensors):
             return None  # float32 weights: ggml multiplies float32 activations too
         return LlamaCppLinearMethod(names, tensors, self.head_dim)
-
-
-def quant_config_for_source(source: Any, numerics: str = "float") -> LlamaCppQuantConfig | None:
-    """The quant config for the `--gguf-numerics {float,llamacpp}` setting.
-
-    'float' (default): float32 activations times the dequantized weights, the accurate result
-    (matches llama.cpp run on the F32-dequantized file); no quant config.
-    'llamacpp': round activations as llama.cpp's CPU backend does before every matmul of a
-    quantized GGUF weight (see the module docstring for what that does and does not reproduce).
-    Sources that are not GGUF files get None either way.
-    """
-    if numerics == "float" or getattr(source, "load_format", None) != "gguf":
-        return None
-    return LlamaCppQuantConfig.from_gguf(source.path, source.hf_config)

@@ -1,0 +1,239 @@
+"""Gemma 3 text decoder (HF `Gemma3ForCausalLM`, `gemma3_text`; GGUF architecture `gemma3`).
+
+Data flow as in `llama.py`: model runner -> Gemma3ForCausalLM.forward(input_ids [T], positions
+[T], kv_caches, AttentionMetadata) over one flat batch -> hidden [T, H] -> compute_logits of the
+rows that sample. What differs from Llama:
+- embeddings scaled by sqrt(hidden) (in the model dtype, as HF);
+- GeGLU MLP (gelu tanh approximation);
+- RMSNorm with (1 + w) in fp32 before and after both attention and MLP, and on q/k per head;
+- layers alternate local sliding-window attention (with their own RoPE base, usually 10000) and
+  global attention (5:1 from `layer_types`), scores scaled by `query_pre_attn_scalar`^-0.5;
+- optional final logit soft-capping. Attention scores are not capped: Gemma 3 dropped Gemma 2's
+  attention soft-capping (HF's Gemma3Attention and llama.cpp ignore `attn_logit_softcapping`);
+- tied embeddings.
+Checkpoint names and merged layers are the Llama family's, so weight loading is shared.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from paphos.attention.backend import AttentionBackend
+from paphos.attention.metadata import AttentionMetadata
+from paphos.layers.activation import GeluTanhAndMul
+from paphos.layers.embedding import LMHead, VocabEmbedding
+from paphos.layers.linear import Linear, MergedColumnLinear, QKVLinear, QuantConfig
+from paphos.layers.norm import GemmaRMSNorm
+from paphos.layers.rotary import RotaryEmbedding
+from paphos.models import hf_config
+from paphos.models.errors import UnsupportedModelError
+from paphos.models.llama import LlamaForCausalLM, _method
+
+SLIDING = "sliding_attention"
+
+
+def layer_types(config: Any) -> list[str]:
+    """'sliding_attention' / 'full_attention' per layer: `layer_types`, else every
+    `sliding_window_pattern`-th layer global (the older config field)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    pattern = int(getattr(config, "sliding_window_pattern", 6))
+    return [SLIDING if (i + 1) % pattern else "full_attention" for i in range(config.num_hidden_layers)]
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_type: str,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = hf_config.num_kv_heads(config)
+        self.head_dim = hf_config.head_dim(config)
+        self.scale = float(getattr(config, "query_pre_attn_scalar", self.head_dim)) ** -0.5
+        self.sliding_window = int(config.sliding_window) if layer_type == SLIDING else None
+        self.backend = backend
+        self.rotary_emb = rotary_emb
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias, dtype,
+            _method(quant_config, f"{prefix}.qkv_proj"),
+        )  # fmt: skip
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim,
+            config.hidden_size,
+            bias,
+            dtype,
+            _method(quant_config, f"{prefix}.o_proj"),
+        )
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(
+        self, config: Any, dtype: torch.dtype, quant_config: QuantConfig | None, prefix: str
+    ) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(
+                f"Gemma 3 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)"
+            )
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, [inter, inter], False, dtype, _method(quant_config, f"{prefix}.gate_up_proj")
+        )
+        self.down_proj = Linear(
+            inter, config.hidden_size, False, dtype, _method(quant_config, f"{prefix}.down_proj")
+        )
+        self.act = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_type: str,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.self_attn = Gemma3Attention(
+            config, layer_type, dtype, backend, rotary_emb, quant_config, f"{prefix}.self_attn"
+        )
+        self.mlp = Gemma3MLP(config, dtype, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, md)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(
+        self, config: Any, dtype: torch.dtype, backend: AttentionBackend, quant_config: QuantConfig | None
+    ) -> None:
+        super().__init__()
+        head_dim = hf_config.head_dim(config)
+        types = layer_types(config)
+        # One RoPE table per kind of layer (local layers have their own base and no scaling).
+        rotary = {}
+        for kind in sorted(set(types)):
+            theta, scaling, partial = hf_config.rope_parameters(config, kind)
+            rotary[kind] = RotaryEmbedding(
+                head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=int(head_dim * partial)
+            )
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_scale = math.sqrt(config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, kind, dtype, backend, rotary[kind], quant_config, f"model.layers.{i}")
+            for i, kind in enumerate(types)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # HF multiplies by the scale rounded to the model dtype.
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, md)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    # Same checkpoint names, merged q/k/v and gate/up layers, and KV cache layout as Llama.
+    _checkpoint_names = LlamaForCausalLM._checkpoint_names
+    load_weights = LlamaForCausalLM.load_weights
+    kv_cache_shape_per_layer = LlamaForCausalLM.kv_cache_shape_per_layer
+
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        attn_backend: AttentionBackend,
+        quant_config: QuantConfig | None = None,
+    ) -> None:
+        super().__init__()
+        config = getattr(config, "text_config", None) or config
+        self.config = config
+        self.dtype = dtype
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = hf_config.num_kv_heads(config)
+        self.head_dim: int = hf_config.head_dim(config)
+        self.vocab_size: int = config.vocab_size
+        self.sliding_windows: list[int | None] = [
+            int(config.sliding_window) if kind == SLIDING else None for kind in layer_types(config)
+        ]
+        self.final_soft_cap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.model = Gemma3Model(config, dtype, attn_backend, quant_config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype,
+            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+        self.lm_head_method = _method(quant_config, "lm_head")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] of the rows that sample -> fp32 logits [R, vocab], soft-capped if set."""
+        if self.lm_head_method is not None:
+            logits = self.lm_head_method.apply(self.lm_head, hidden).float()  # type: ignore[arg-type]
+        else:
+            logits = self.lm_head(hidden)
+        if self.final_soft_cap is not None:
+            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
+        return logits

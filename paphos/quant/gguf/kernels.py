@@ -1,0 +1,222 @@
+"""Matmul kernels for GGUF weights, and the rule that picks one per layer.
+
+Data flow: `GGUFLinearMethod.process_weights_after_loading` -> `select_kernel(shards, device,
+dtype)`: the first class of `KERNELS` whose `can_implement` accepts the layer wins (design.md §7;
+the choice is logged once per distinct outcome) -> `kernel.prepare(layer)` repacks the raw blocks
+once -> `kernel.apply(layer, x)` on every forward. GPU kernels (Triton, fused dequant x matmul
+for decode, dequantize-tile + tensor cores for prefill) go at the front of `KERNELS` and take the
+raw blocks as they are (`GGUFLinearMethod` documents where they live; dequant.py the layouts).
+
+The CPU choice. Per-call dequantization costs several times the matmul it feeds (a 1536x576 Q4_1
+weight: 0.9 ms to dequantize in torch, 0.12 ms for the bf16 GEMV), so on CPU a layer either runs
+a kernel that reads packed 4-bit weights (torch's int4pack: Q4_0, Q4_1 and Q4_K map exactly onto
+its scale/zero groups of 32; bf16 activations; 37 us for that GEMV) or, for other types and for
+float32 models, is dequantized once at load into the model dtype (float32: the exact reference).
+Measured with benchmarks/gguf_cpu.py (bf16, 2 shared cores, best of 3 alternating rounds):
+  SmolLM2-135M Q4_1    decode 41 tok/s (22 dequantized at load), weights 119 MiB (259),
+                       prefill 512 / 1024 / 2048 tokens: 550 / 690 / 633 tok/s (970 / 952 / 713):
+                       packed weights cost prefill speed, see `Int4PackCPUKernel`
+  Gemma-3-270M Q4_K_M  decode 15.1 tok/s (14.0), weights 544 MiB (575; 320 MiB of it the bf16
+                       embedding, also the tied head), prefill 512: 764 tok/s (898); its Q5_0 /
+                       Q6_K / Q8_0 layers have no packed CPU kernel yet, so are dequantized at load
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cache
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paphos.quant.gguf.dequant import Q4_AFFINE_TYPES, dequantize, q4_affine_groups
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32  # values per scale/offset group of the int4pack layout
+
+
+@dataclass(frozen=True)
+class GGUFShard:
+    """One checkpoint tensor of a (possibly merged) layer: output rows [row_start, row_start +
+    rows) of the layer, stored as `rows x row_bytes` raw bytes at `byte_offset` of the layer's flat
+    `weight` parameter."""
+
+    name: str  # HF name, e.g. model.layers.0.self_attn.q_proj.weight
+    type_name: str  # ggml type, e.g. Q4_K
+    rows: int
+    row_bytes: int
+    row_start: int
+    byte_offset: int
+
+    @property
+    def n_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def raw_shard(weight: torch.Tensor, shard: GGUFShard) -> torch.Tensor:
+    """The raw blocks of `shard` as uint8 [rows, row_bytes] (a view of the flat weight)."""
+    return weight[shard.byte_offset : shard.byte_offset + shard.n_bytes].view(shard.rows, shard.row_bytes)
+
+
+def dequantize_layer(weight: torch.Tensor, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight [out, in] in `dtype`, shard by shard."""
+    return torch.cat([dequantize(raw_shard(weight, s), s.type_name).to(dtype) for s in shards])
+
+
+class GGUFKernel(Protocol):
+    name: ClassVar[str]
+
+    @classmethod
+    def can_implement(
+        cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype
+    ) -> bool: ...
+
+    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
+        """Repack `layer.weight` (flat raw blocks) once, for activations of `dtype`; may free it."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype (bias not added)."""
+
+
+def _drop_raw(layer: nn.Module) -> None:
+    # The raw blocks are no longer read: free them (the parameter stays, so its name is stable).
+    layer.weight.data = torch.empty(0, dtype=torch.uint8, device=layer.weight.device)
+
+
+class Int4PackCPUKernel:
+    """Q4_0 / Q4_1 / Q4_K shards as torch's int4pack CPU layout: w = (q - 8) * scale + zero per
+    group of 32, scale/zero in bf16 (so scales are rounded from fp16 to bf16: ~2^-9 relative, far
+    below the 4-bit quantization step). Memory: K/2 bytes + K/32 * 4 bytes per row, the same as
+    Q4_1 and 0.5 bit per value more than Q4_0/Q4_K.
+
+    Long prefill chunks (>= DENSE_MIN_TOKENS rows) unpack the weight to bf16 and run a dense GEMM:
+    int4pack's matmul does not amortise its per-value unpacking over rows. Measured on the four
+    linears of one SmolLM2 layer (2 shared cores): 512 rows 26 ms int4pack vs 34 ms unpack + GEMM,
+    1024 rows 54 vs 40 ms, 2048 rows 104 vs 56 ms (a bf16 GEMM alone: 11 / 21 / 39 ms).
+    Unpacking reads torch's packed layout (64-row tiles: byte [tile, k, i] holds row i in its low
+    nibble and row i + 32 in its high one), checked once per process against the packer itself;
+    if a torch version packs differently, long chunks simply stay on int4pack."""
+
+    name = "int4pack-cpu"
+    DENSE_MIN_TOKENS = 768
+    TILE = 64
+
+    @classmethod
+    def can_implement(cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> bool:
+        rows = sum(s.rows for s in shards)
+        return (
+            device.type == "cpu"
+            and dtype == torch.bfloat16
+            and all(s.type_name in Q4_AFFINE_TYPES for s in shards)
+            and rows % 16 == 0  # the packing works on tiles of 16 output rows
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        )
+
+    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
+        qs, scales, zeros = [], [], []
+        for s in shards:
+            q, scale, offset = q4_affine_groups(raw_shard(layer.weight, s), s.type_name)
+            qs.append(q)
+            scales.append(scale)
+            zeros.append(offset + 8.0 * scale)  # scale * q + offset = (q - 8) * scale + zero
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(qs), 2)
+        scale_zero = torch.stack([torch.cat(scales).t(), torch.cat(zeros).t()], dim=-1)
+        layer.register_buffer("gguf_int4", packed, persistent=False)
+        layer.register_buffer("gguf_scale_zero", scale_zero.to(torch.bfloat16).contiguous(), persistent=False)
+        _drop_raw(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        packed, scale_zero = layer.gguf_int4, layer.gguf_scale_zero
+        xb = x.to(torch.bfloat16)
+        if x.shape[0] >= self.DENSE_MIN_TOKENS and packed.shape[0] % self.TILE == 0 and _layout_known():
+            y = F.linear(xb, unpack_int4(packed, scale_zero))
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scale_zero)
+        return y.to(x.dtype)
+
+
+def unpack_int4(packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight [N, K] of an int4pack CPU weight whose N is a multiple of 64 (see
+    `Int4PackCPUKernel`)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    tiles = packed.view(n // 64, k, 32)
+    q = torch.cat([tiles & 0xF, tiles >> 4], dim=2).transpose(1, 2).reshape(n, k // GROUP, GROUP)
+    scale = scale_zero[..., 0].t().float().unsqueeze(-1)
+    zero = scale_zero[..., 1].t().float().unsqueeze(-1)
+    return torch.addcmul(zero, q.float() - 8.0, scale).to(torch.bfloat16).reshape(n, k)
+
+
+@cache
+def _layout_known() -> bool:
+    """Whether this torch packs int4 weights as `unpack_int4` reads them (a 128 x 64 probe)."""
+    q = torch.arange(128 * 64, dtype=torch.int32).reshape(128, 64) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    if tuple(packed.shape) != (128, 32):
+        return False
+    ones = torch.ones(64 // GROUP, 128, 2, dtype=torch.bfloat16)
+    ones[..., 1] = 8.0  # scale 1, zero 8: w = q
+    return torch.equal(unpack_int4(packed, ones).float(), q.float())
+
+
+class DequantPerCallKernel:
+    """Torch reference: dequantize every shard on each call, then one GEMM. Keeps the raw blocks
+    (memory = file bytes); the reference of the GPU kernels, not chosen for serving."""
+
+    name = "dequant-per-call"
+
+    @classmethod
+    def can_implement(cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type != "cpu"
+
+    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
+        self.shards = shards
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_layer(layer.weight, self.shards, x.dtype))
+
+
+class DequantizedAtLoadKernel:
+    """Dequantize once at load into the model dtype and run a float GEMM: any type, any device.
+    With float32 it is the exact reference (bit-exact dequantization, as `gguf` computes it)."""
+
+    name = "dequantized-at-load"
+
+    @classmethod
+    def can_implement(cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> bool:
+        return True
+
+    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
+        layer.register_buffer(
+            "gguf_dequantized", dequantize_layer(layer.weight, shards, dtype), persistent=False
+        )
+        _drop_raw(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.gguf_dequantized)
+
+
+# First match wins; GPU kernels go in front.
+# DequantPerCallKernel is not a candidate: on a GPU it dequantizes every weight on every step
+# (tens of ms for an 8B model), so until the Triton kernels land a GPU dequantizes at load; it
+# stays as the torch reference those kernels are tested against.
+KERNELS: list[type[GGUFKernel]] = [Int4PackCPUKernel, DequantizedAtLoadKernel]
+
+_logged: set[tuple[str, str, str]] = set()
+
+
+def select_kernel(shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> GGUFKernel:
+    """An instance of the first kernel of `KERNELS` that accepts the layer; logged once per
+    (kernel, types, device)."""
+    for cls in KERNELS:
+        if cls.can_implement(shards, device, dtype):
+            types = "+".join(sorted({s.type_name for s in shards}))
+            key = (cls.name, types, device.type)
+            if key not in _logged:
+                _logged.add(key)
+                logger.info("GGUF %s weights on %s (%s): %s kernel", types, device.type, dtype, cls.name)
+            return cls()
+    raise RuntimeError("no GGUF kernel accepts the layer")  # DequantizedAtLoadKernel accepts all
