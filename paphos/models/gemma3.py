@@ -24,14 +24,12 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers.activation import GeluTanhAndMul
 from paphos.layers.embedding import LMHead, VocabEmbedding
-from paphos.layers.linear import Linear, MergedColumnLinear, QKVLinear, QuantConfig
+from paphos.layers.linear import Linear, QKVLinear, QuantConfig
 from paphos.layers.norm import GemmaRMSNorm
 from paphos.layers.rotary import RotaryEmbedding
 from paphos.models import hf_config
-from paphos.models.errors import UnsupportedModelError
-from paphos.models.llama import LlamaForCausalLM, _method
+from paphos.models.llama import LlamaForCausalLM, LlamaMLP, _method
 
 SLIDING = "sliding_attention"
 
@@ -93,29 +91,6 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(
-        self, config: Any, dtype: torch.dtype, quant_config: QuantConfig | None, prefix: str
-    ) -> None:
-        super().__init__()
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        if act != "gelu_pytorch_tanh":
-            raise UnsupportedModelError(
-                f"Gemma 3 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)"
-            )
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(
-            config.hidden_size, [inter, inter], False, dtype, _method(quant_config, f"{prefix}.gate_up_proj")
-        )
-        self.down_proj = Linear(
-            inter, config.hidden_size, False, dtype, _method(quant_config, f"{prefix}.down_proj")
-        )
-        self.act = GeluTanhAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -132,7 +107,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(
             config, layer_type, dtype, backend, rotary_emb, quant_config, f"{prefix}.self_attn"
         )
-        self.mlp = Gemma3MLP(config, dtype, quant_config, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(config, dtype, False, quant_config, f"{prefix}.mlp")
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)

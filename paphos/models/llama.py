@@ -16,7 +16,7 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers.activation import SiluAndMul
+from paphos.layers.activation import GeluTanhAndMul, SiluAndMul
 from paphos.layers.embedding import LMHead, VocabEmbedding
 from paphos.layers.linear import Linear, LinearBase, LinearMethod, MergedColumnLinear, QKVLinear, QuantConfig
 from paphos.layers.norm import RMSNorm
@@ -77,14 +77,22 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+# Gated activations by HF config name (`hidden_activation`, else `hidden_act`).
+_GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
 class LlamaMLP(nn.Module):
+    """down(act(gate) * up) with merged gate/up: Llama's SwiGLU, Gemma's GeGLU."""
+
     def __init__(
         self, config: Any, dtype: torch.dtype, bias: bool, quant_config: QuantConfig | None, prefix: str
     ) -> None:
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported by the Llama MLP (only 'silu')")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in _GATED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden activation {act!r} is not supported (supported: {', '.join(_GATED_ACTIVATIONS)})"
+            )
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(
             config.hidden_size, [inter, inter], bias, dtype, _method(quant_config, f"{prefix}.gate_up_proj")
@@ -92,7 +100,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(
             inter, config.hidden_size, bias, dtype, _method(quant_config, f"{prefix}.down_proj")
         )
-        self.act = SiluAndMul()
+        self.act = _GATED_ACTIVATIONS[act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
