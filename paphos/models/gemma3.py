@@ -24,7 +24,7 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers.embedding import LMHead, VocabEmbedding
+from paphos.layers.embedding import VocabEmbedding
 from paphos.layers.linear import Linear, QKVLinear, QuantConfig
 from paphos.layers.norm import GemmaRMSNorm
 from paphos.layers.rotary import RotaryEmbedding
@@ -159,56 +159,17 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    # Same checkpoint names, merged q/k/v and gate/up layers, and KV cache layout as Llama.
-    _checkpoint_names = LlamaForCausalLM._checkpoint_names
-    load_weights = LlamaForCausalLM.load_weights
-    kv_cache_shape_per_layer = LlamaForCausalLM.kv_cache_shape_per_layer
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Llama's shell (checkpoint names, merged q/k/v and gate/up, KV layout, soft-capped head)
+    around the Gemma 3 decoder; Gemma ties its embeddings unless the config says otherwise."""
 
-    def __init__(
-        self,
-        config: Any,
-        dtype: torch.dtype,
-        attn_backend: AttentionBackend,
-        quant_config: QuantConfig | None = None,
-    ) -> None:
-        super().__init__()
-        config = getattr(config, "text_config", None) or config
-        self.config = config
-        self.dtype = dtype
-        self.num_layers: int = config.num_hidden_layers
-        self.num_kv_heads: int = hf_config.num_kv_heads(config)
-        self.head_dim: int = hf_config.head_dim(config)
-        self.vocab_size: int = config.vocab_size
-        self.sliding_windows: list[int | None] = [
-            int(config.sliding_window) if kind == SLIDING else None for kind in layer_types(config)
-        ]
-        self.final_soft_cap: float | None = getattr(config, "final_logit_softcapping", None)
-        self.model = Gemma3Model(config, dtype, attn_backend, quant_config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = LMHead(
-            config.vocab_size,
-            config.hidden_size,
-            dtype,
-            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
-        )
-        self.lm_head_method = _method(quant_config, "lm_head")
+    tie_word_embeddings_default = True
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+    def build_model(
+        self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend, quant_config: QuantConfig | None
+    ) -> nn.Module:
+        return Gemma3Model(config, dtype, attn_backend, quant_config)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] of the rows that sample -> fp32 logits [R, vocab], soft-capped if set."""
-        if self.lm_head_method is not None:
-            logits = self.lm_head_method.apply(self.lm_head, hidden).float()  # type: ignore[arg-type]
-        else:
-            logits = self.lm_head(hidden)
-        if self.final_soft_cap is not None:
-            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
-        return logits
+    @staticmethod
+    def layer_sliding_windows(config: Any) -> list[int | None]:
+        return [int(config.sliding_window) if kind == SLIDING else None for kind in layer_types(config)]

@@ -202,6 +202,13 @@ _STACKED = (
 
 
 class LlamaForCausalLM(nn.Module):
+    """The causal-LM shell shared by the Llama-shaped families: config bookkeeping, LM head (tied
+    or not, optionally soft-capped), checkpoint loading. Families whose decoder differs (Gemma 3)
+    override `build_model` and `layer_sliding_windows`."""
+
+    # The HF default of `tie_word_embeddings` for the family, used when the config omits it.
+    tie_word_embeddings_default = False
+
     def __init__(
         self,
         config: Any,
@@ -210,17 +217,18 @@ class LlamaForCausalLM(nn.Module):
         quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
+        # Multimodal configs (Gemma 3) nest the decoder's settings.
+        config = getattr(config, "text_config", None) or config
         self.config = config
         self.dtype = dtype
         self.num_layers: int = config.num_hidden_layers
         self.num_kv_heads: int = hf_config.num_kv_heads(config)
         self.head_dim: int = hf_config.head_dim(config)
         self.vocab_size: int = config.vocab_size
-        self.sliding_windows: list[int | None] = [
-            hf_config.layer_sliding_window(config, i) for i in range(self.num_layers)
-        ]
-        self.model = LlamaModel(config, dtype, attn_backend, self.biases(config), quant_config)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.sliding_windows: list[int | None] = self.layer_sliding_windows(config)
+        self.model = self.build_model(config, dtype, attn_backend, quant_config)
+        self.final_soft_cap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_word_embeddings_default))
         self.lm_head = LMHead(
             config.vocab_size,
             config.hidden_size,
@@ -229,6 +237,15 @@ class LlamaForCausalLM(nn.Module):
         )
         # A quant method for the head too (llama.cpp rounds its input like any matmul's); None = F.linear.
         self.lm_head_method = _method(quant_config, "lm_head")
+
+    def build_model(
+        self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend, quant_config: QuantConfig | None
+    ) -> nn.Module:
+        return LlamaModel(config, dtype, attn_backend, self.biases(config), quant_config)
+
+    @staticmethod
+    def layer_sliding_windows(config: Any) -> list[int | None]:
+        return [hf_config.layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
 
     @classmethod
     def biases(cls, config: Any) -> tuple[bool, bool, bool]:
@@ -249,10 +266,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] of the rows that sample -> fp32 logits [R, vocab]."""
+        """hidden [R, H] of the rows that sample -> fp32 logits [R, vocab], soft-capped if the
+        config sets `final_logit_softcapping`."""
         if self.lm_head_method is not None:
-            return self.lm_head_method.apply(self.lm_head, hidden).float()  # type: ignore[arg-type]
-        return self.lm_head(hidden)
+            logits = self.lm_head_method.apply(self.lm_head, hidden).float()  # type: ignore[arg-type]
+        else:
+            logits = self.lm_head(hidden)
+        if self.final_soft_cap is not None:
+            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
+        return logits
 
     # ---------------------------------------------------------------- weight loading
 
