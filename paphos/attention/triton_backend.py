@@ -29,8 +29,8 @@ from paphos.attention.triton_attention import (
     PrefillConfig,
     paged_attention_decode,
     paged_attention_prefill,
-    write_kv_cache_triton,
 )
+from paphos.attention.triton_kv_write import write_kv_cache_triton
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, *FP8_KV_DTYPES)
 

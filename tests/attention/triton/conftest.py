@@ -1,7 +1,7 @@
 """Run the Triton attention kernels under the Triton interpreter (CPU tensors, no GPU).
 
 TRITON_INTERPRET is read when a kernel is decorated with @triton.jit, i.e. when
-paphos.attention.triton_attention is imported. tests/conftest.py sets it suite-wide on machines
+the kernel modules (paphos.attention.triton_attention, triton_kv_write) are imported. tests/conftest.py sets it suite-wide on machines
 without CUDA; here it is forced only around the import of that module, also on a GPU machine, and
 restored at once. If an earlier test had imported the module compiled, it is re-imported
 interpreted for these tests and compiled again afterwards, so the rest of the suite is unchanged.
@@ -17,11 +17,15 @@ from collections.abc import Iterator
 
 import pytest
 
-_MODULE = "paphos.attention.triton_attention"
+# Each kernel module with one of its kernels, by which a compiled import is recognised.
+_MODULES = (
+    ("paphos.attention.triton_attention", "_prefill_kernel"),
+    ("paphos.attention.triton_kv_write", "_write_kv_kernel"),
+)
 
 
 def _reimport(interpret: bool) -> bool:
-    """Import (or re-execute) the kernel module with TRITON_INTERPRET forced; True if it was
+    """Import (or re-execute) the kernel modules with TRITON_INTERPRET forced; True if one was
     already imported compiled."""
     previous = os.environ.get("TRITON_INTERPRET")
     if interpret:
@@ -29,16 +33,17 @@ def _reimport(interpret: bool) -> bool:
     try:
         from triton.runtime.interpreter import InterpretedFunction
 
-        module = sys.modules.get(_MODULE)
-        if module is None:
-            importlib.import_module(_MODULE)
-            return False
-        if isinstance(module._prefill_kernel, InterpretedFunction) == interpret:
-            return False
-        # Re-executing the module rebinds its kernel globals in place, so launchers already
-        # imported elsewhere (triton_backend) use the new kernels too.
-        importlib.reload(module)
-        return True
+        reloaded = False
+        for name, kernel in _MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                importlib.import_module(name)
+            elif isinstance(getattr(module, kernel), InterpretedFunction) != interpret:
+                # Re-executing the module rebinds its kernel globals in place, so launchers
+                # already imported elsewhere (triton_backend) use the new kernels too.
+                importlib.reload(module)
+                reloaded = True
+        return reloaded
     finally:
         if previous is None:
             os.environ.pop("TRITON_INTERPRET", None)

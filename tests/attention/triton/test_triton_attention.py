@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
 from paphos.attention import triton_attention as ta
+from paphos.attention import triton_kv_write as tw
 from paphos.attention.backend import AttentionBackend, write_kv_cache
 from paphos.attention.metadata import AttentionMetadata
 from paphos.attention.testing import allocate_block_tables, build_metadata
@@ -97,7 +98,7 @@ def compare(
 
 def test_kernels_run_in_the_interpreter_on_cpu_tensors() -> None:
     for kernel in (
-        ta._write_kv_kernel,
+        tw._write_kv_kernel,
         ta._decode_split_kernel,
         ta._decode_reduce_kernel,
         ta._prefill_kernel,
@@ -194,7 +195,7 @@ def test_forward_decode_splits(splits: int, window: int | None) -> None:
     case = make_case(seqs, 2, 4, seed=splits)
     ref_cache, tri_cache = case.cache.clone(), case.cache.clone()
     expected = TorchReferenceBackend().forward(case.q, case.k, case.v, ref_cache, case.md, case.scale, window)
-    ta.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
+    tw.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
     out = torch.empty_like(case.q)
     ta.paged_attention_decode(
         case.q, tri_cache, case.md.block_tables, case.md.seq_lens, out,
@@ -248,7 +249,7 @@ def test_prefill_kernel_alone_covers_decode_rows() -> None:
     case = make_case(MIXED, 2, 2, seed=9)
     ref_cache, tri_cache = case.cache.clone(), case.cache.clone()
     expected = TorchReferenceBackend().forward(case.q, case.k, case.v, ref_cache, case.md, case.scale, 6)
-    ta.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
+    tw.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
     out = torch.empty_like(case.q)
     md = case.md
     ta.paged_attention_prefill(
@@ -263,7 +264,7 @@ def test_gpu_tile_configs() -> None:
     case = make_case([(1, 90), (70, 70), (40, 100)], 1, 4, block_size=16, seed=13)
     ref_cache, tri_cache = case.cache.clone(), case.cache.clone()
     expected = TorchReferenceBackend().forward(case.q, case.k, case.v, ref_cache, case.md, case.scale)
-    ta.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
+    tw.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
     out = torch.empty_like(case.q)
     md = case.md
     ta.paged_attention_prefill(
@@ -288,8 +289,8 @@ def test_write_kernel_matches_reference_bytes(cache_dtype: torch.dtype) -> None:
     slots = torch.tensor([9, 47, 8, 21, 40])
     write_kv_cache(k, v, ref_cache, slots, 0.5, 0.25)
     tri_cache = torch.zeros_like(ref_cache)
-    ta.write_kv_cache_triton(k, v, tri_cache, slots, 0.5, 0.25)
+    tw.write_kv_cache_triton(k, v, tri_cache, slots, 0.5, 0.25)
     assert torch.equal(tri_cache.view(torch.uint8), ref_cache.view(torch.uint8))
     # A negative slot is a padding row: nothing is stored.
-    ta.write_kv_cache_triton(k, v, tri_cache, torch.tensor([-1, -1, -1, -1, 3]), 0.5, 0.25)
+    tw.write_kv_cache_triton(k, v, tri_cache, torch.tensor([-1, -1, -1, -1, 3]), 0.5, 0.25)
     assert torch.equal(tri_cache[:, :, :3].view(torch.uint8), ref_cache[:, :, :3].view(torch.uint8))
