@@ -110,6 +110,7 @@ class Bench:
                 self.args.config, load_format="dummy", tokenizer=str(self.tokenizer_dir), dtype="bfloat16",
                 max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=self.args.max_num_batched_tokens,
                 gpu_memory_utilization=self.args.gmu, kv_cache_dtype=self.args.kv_cache_dtype,
+                decode_lookahead=self.args.decode_lookahead,
             )
         return self._llm
 
@@ -120,11 +121,15 @@ class Bench:
         for i, prompt in enumerate(prompts):
             engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
         steps = []
+        torch.cuda.synchronize()
+        # Every step ends by reading its sampled ids back, so the gaps between step returns are the
+        # step periods, also when the decode lookahead keeps the next step running in between.
+        t0 = time.perf_counter()
         while engine.has_unfinished_requests():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
             outputs = engine.step()
-            steps.append((time.perf_counter() - t0, len(outputs)))
+            t1 = time.perf_counter()
+            steps.append((t1 - t0, len(outputs)))
+            t0 = t1
         return steps
 
     def weight_bytes(self) -> int:
@@ -228,6 +233,7 @@ def section_correctness(bench: Bench) -> dict[str, Any]:
     }
     out = {"tiny": _compare_greedy(make, variants, prompts, 32)}
     if bench.args.smollm2:
+        from paphos.quant.gguf import kernels as gguf_kernels
         from paphos.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf(Path(bench.args.smollm2))
@@ -238,7 +244,15 @@ def section_correctness(bench: Bench) -> dict[str, Any]:
         chat = [tok.encode(t) for t in texts]
 
         def make_smol(**kw: Any) -> LLM:
-            return LLM(bench.args.smollm2, **{**common, **kw})
+            # "Dequantized to bf16": every variant multiplies by the same bf16 weights, whatever
+            # quantized kernels the device would otherwise pick (the Triton GGUF kernels are
+            # checked against dequantization in benchmarks/bench_gguf_gpu.py).
+            saved = gguf_kernels.KERNELS[:]
+            gguf_kernels.KERNELS[:] = [gguf_kernels.DequantizedAtLoadKernel]
+            try:
+                return LLM(bench.args.smollm2, **{**common, **kw})
+            finally:
+                gguf_kernels.KERNELS[:] = saved
 
         out["smollm2"] = _compare_greedy(make_smol, {k: variants[k] for k in list(variants)[:3]}, chat, 32)
     return out
@@ -463,7 +477,8 @@ def main() -> None:
     # Leaves room for the HF peer (16 GB of weights + its static cache) beside the engine.
     parser.add_argument("--gmu", type=float, default=0.75)
     parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--offline-prompts", type=int, default=1000)
     parser.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     args = parser.parse_args()

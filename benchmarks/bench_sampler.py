@@ -8,7 +8,11 @@ baseline is a bare `argmax` of the same logits; (a) and (b) are also reported as
 
 Reported per cell: `sampler_ms`, the Sampler call (device time: synchronised before and after), and
 `build_ms`, `SamplingMetadata.build` (host work done every step by the runner). Median of
-`--repeats` after `--warmup` runs.
+`--repeats` after `--warmup` runs. Before timing, every cell checks the fast sampler against the
+reference form (`Sampler(fast=False)`: the whole chain on [R, V] with torch ops) on the same device:
+`token_mismatches` (rows whose sampled token differs; float32 sums in another order may move a
+boundary token, so a rare 1 is rounding, many is a bug), `max_logprob_diff`, and `reference_ms`
+(one call of the reference form). `--no-check` skips it.
 
     python benchmarks/bench_sampler.py --device cuda --out sampler.json
     python benchmarks/bench_sampler.py --device cpu --batch 1 64 --vocab 49152 --repeats 3 --out cpu.json
@@ -81,7 +85,7 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: 
 
 
 def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.device, warmup: int,
-             repeats: int) -> dict:
+             repeats: int, check: bool = True) -> dict:
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
     params = case_params(case, batch)
@@ -94,12 +98,22 @@ def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.devi
 
     metadata = build()
     sampler = Sampler()
+    row: dict = {"case": case, "batch": batch, "vocab": vocab}
     with torch.inference_mode():
+        if check:
+            fast = sampler(logits, metadata)
+            reference = Sampler(fast=False)
+            ref_ms = timed(lambda: reference(logits, metadata), device, 0, 1)
+            ref = reference(logits, metadata)
+            row["token_mismatches"] = int((fast.sampled_token_ids != ref.sampled_token_ids).sum())
+            row["max_logprob_diff"] = float((fast.sampled_logprobs - ref.sampled_logprobs).abs().max())
+            row["reference_ms"] = ref_ms
         sampler_ms = timed(lambda: sampler(logits, metadata), device, warmup, repeats)
         argmax_ms = timed(lambda: logits.argmax(dim=-1), device, warmup, repeats)
     build_ms = timed(build, device, warmup, repeats)
-    return {"case": case, "batch": batch, "vocab": vocab, "sampler_ms": sampler_ms, "build_ms": build_ms,
-            "argmax_ms": argmax_ms, "over_argmax_ms": sampler_ms - argmax_ms, "groups": len(metadata.groups)}
+    row.update({"sampler_ms": sampler_ms, "build_ms": build_ms, "argmax_ms": argmax_ms,
+                "over_argmax_ms": sampler_ms - argmax_ms, "groups": len(metadata.groups)})
+    return row
 
 
 def main() -> None:
@@ -113,26 +127,31 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--no-check", action="store_true", help="skip the fast-vs-reference check")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = []
-    header = f"{'case':>4} {'batch':>6} {'vocab':>7} {'sampler ms':>11} {'over argmax':>12} {'build ms':>9} {'groups':>6}"
+    header = (f"{'case':>4} {'batch':>6} {'vocab':>7} {'sampler ms':>11} {'over argmax':>12} {'build ms':>9} "
+              f"{'groups':>6} {'ref ms':>9} {'mismatch':>8}")
     print(header)
     for vocab in args.vocab:
         for batch in args.batch:
             for case in args.cases:
-                row = run_cell(case, batch, vocab, args.history, device, args.warmup, args.repeats)
+                row = run_cell(case, batch, vocab, args.history, device, args.warmup, args.repeats,
+                               not args.no_check)
                 rows.append(row)
                 print(f"{case:>4} {batch:>6} {vocab:>7} {row['sampler_ms']:>11.3f} {row['over_argmax_ms']:>12.3f} "
-                      f"{row['build_ms']:>9.3f} {row['groups']:>6}", flush=True)
+                      f"{row['build_ms']:>9.3f} {row['groups']:>6} {row.get('reference_ms', float('nan')):>9.3f} "
+                      f"{row.get('token_mismatches', '-'):>8}", flush=True)
     if args.out:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "history": args.history,
                 "warmup": args.warmup, "repeats": args.repeats}
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": rows}, f, indent=1)
+            mismatches = sum(r.get("token_mismatches", 0) for r in rows)
+            json.dump({"meta": meta, "token_mismatches": mismatches, "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

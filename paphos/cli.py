@@ -24,6 +24,7 @@ from paphos.config import (
     GGUF_NUMERICS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -170,6 +171,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(mdl, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
     _add(mdl, "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
          help="paged attention kernels: triton, torch (the reference) or auto (default: triton on a GPU)")
+    _add(mdl, "--quantization", "-q", default=None, metavar="METHOD",
+         help=f"weight quantization: {', '.join(QUANTIZATIONS)} (default: from the model; gguf for a .gguf file)")
     _add(mdl, "--gguf-numerics", choices=GGUF_NUMERICS, default="float",
          help="matmuls with quantized GGUF weights: float (float32 activations, the accurate result; "
               "default) or llamacpp (round activations to 8 bits as llama.cpp's CPU backend does)")
@@ -284,7 +287,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         dtype=args.dtype, max_model_len=max_model_len, load_format=args.load_format, seed=args.seed,
         chat_template=_chat_template(args.chat_template), max_logprobs=args.max_logprobs, device=args.device,
         enforce_eager=args.enforce_eager, gguf_numerics=args.gguf_numerics,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, quantization=args.quantization,
     )
     cache = CacheConfig(
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

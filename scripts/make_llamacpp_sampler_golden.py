@@ -11,7 +11,9 @@ applies one llama.cpp sampler (the low-level `llama_sampler_init_*` API) and rec
 survive (those left in the array with a finite logit), the resulting logits, and for mirostat the
 selected token, its renormalised probability and mu before/after. DRY is fed the case's history
 with `llama_sampler_accept` and needs a vocabulary, taken from the GGUF (`vocab_only`); no
-sequence breakers are used, so its single-token semantics match the contract's.
+sequence breakers are used, so its single-token semantics match the contract's. Its windows are
+explicit (`penalty_last_n` > 0): llama.cpp's -1 ("context size") has no context size to refer to in
+the vocab-only API of llama-cpp-python >= 0.3.x and then penalises nothing.
 The samplers whose semantics match the contract: top-k, top-p, min-p, typical, temperature, DRY,
 XTC (probability 1, so its coin never decides), mirostat v1/v2, top-nσ.
 """
@@ -32,7 +34,9 @@ DEFAULT_OUT = REPO_ROOT / "tests" / "sample" / "golden" / "llamacpp_samplers.jso
 DEFAULT_MODEL = Path.home() / ".cache" / "paphos" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 64
 SEEDS = range(4)
-HISTORY = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 3, 4, 5, 6]
+# The last token 4 was followed by 10, 11, 12 and 13 after matches of length 4, 3, 2 and 1; a window
+# of 19 cuts the longest match to 2.
+HISTORY = [1, 2, 3, 4, 10, 9, 2, 3, 4, 11, 8, 3, 4, 12, 7, 4, 13, 1, 2, 3, 4]
 
 # (sampler name, params) -> built by `make_sampler`; each runs on every seed's logits.
 CASES = [
@@ -40,8 +44,9 @@ CASES = [
     ("min_p", {"p": 0.1}), ("min_p", {"p": 0.4}), ("typical", {"p": 0.7}), ("typical", {"p": 0.3}),
     ("temperature", {"t": 0.7}), ("temperature", {"t": 1.8}), ("top_n_sigma", {"n": 1.0}),
     ("top_n_sigma", {"n": 2.0}), ("xtc", {"threshold": 0.05}), ("xtc", {"threshold": 0.1}),
-    ("dry", {"multiplier": 0.8, "base": 1.75, "allowed_length": 2, "penalty_last_n": -1}),
-    ("dry", {"multiplier": 1.5, "base": 2.0, "allowed_length": 1, "penalty_last_n": 8}),
+    ("dry", {"multiplier": 0.8, "base": 1.75, "allowed_length": 2, "penalty_last_n": 32}),
+    ("dry", {"multiplier": 1.5, "base": 2.0, "allowed_length": 1, "penalty_last_n": 12}),
+    ("dry", {"multiplier": 1.0, "base": 1.5, "allowed_length": 2, "penalty_last_n": 19}),
     ("mirostat", {"tau": 5.0, "eta": 0.1, "m": 100}), ("mirostat", {"tau": 3.0, "eta": 0.3, "m": 100}),
     ("mirostat_v2", {"tau": 5.0, "eta": 0.1}), ("mirostat_v2", {"tau": 2.0, "eta": 0.3}),
 ]
@@ -63,10 +68,11 @@ def make_sampler(name: str, params: dict, vocab) -> ctypes.c_void_p:
     if name == "xtc":
         return llama_cpp.llama_sampler_init_xtc(1.0, params["threshold"], 1, 1234)
     if name == "dry":
-        return llama_cpp.llama_sampler_init_dry(
-            vocab, 4096, params["multiplier"], params["base"], params["allowed_length"], params["penalty_last_n"],
-            None, 0,
-        )
+        args = (params["multiplier"], params["base"], params["allowed_length"], params["penalty_last_n"], None, 0)
+        # llama.cpp dropped the `n_ctx_train` argument (b4xxx); older bindings still take it
+        if len(llama_cpp.llama_sampler_init_dry.argtypes) == 8:  # noqa: PLR2004
+            args = (4096, *args)
+        return llama_cpp.llama_sampler_init_dry(vocab, *args)
     if name == "mirostat":
         return llama_cpp.llama_sampler_init_mirostat(VOCAB, 1234, params["tau"], params["eta"], params["m"])
     if name == "mirostat_v2":

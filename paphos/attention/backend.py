@@ -16,6 +16,18 @@ import torch
 from paphos.attention.metadata import AttentionMetadata
 
 
+class Rotary(Protocol):
+    """The rotary embedding a layer hands its backend (paphos.layers.rotary.RotaryEmbedding)."""
+
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]: cos of each half-frequency, then sin
+    rotary_dim: int
+    fusable: bool  # whether the fused GPU kernels handle it (power-of-two rotary_dim / 2)
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @runtime_checkable
 class AttentionBackend(Protocol):
     """Paged causal attention over one flat batch of decode rows and prefill chunks.
@@ -25,7 +37,9 @@ class AttentionBackend(Protocol):
     [num_blocks, 2, block_size, Hkv, D] (index 0 on dim 1 holds K, index 1 holds V).
 
     Semantics every backend must match:
-      * first write k/v into kv_cache at `metadata.slot_mapping` (slot = block * block_size + offset);
+      * when `rotary` is given, first rotate q and k by it at `positions` (`rotary(positions, q, k)`;
+        a GPU backend fuses this with the K/V store, which is why the layer hands it over);
+      * write k/v into kv_cache at `metadata.slot_mapping` (slot = block * block_size + offset);
       * query row j of sequence i sits at position p = seq_lens[i] - query_len_i + j and attends
         the keys at positions t of that sequence with t <= p and, when `sliding_window` is set,
         t > p - sliding_window (the HF convention: the last `sliding_window` tokens, itself
@@ -46,6 +60,8 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary: Rotary | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

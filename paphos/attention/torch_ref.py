@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from paphos.attention.backend import dequantize_kv, write_kv_cache
+from paphos.attention.backend import Rotary, dequantize_kv, write_kv_cache
 from paphos.attention.metadata import AttentionMetadata
 
 
@@ -75,7 +75,12 @@ class TorchReferenceBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary: Rotary | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            assert positions is not None, "rotary needs the token positions"
+            q, k = rotary(positions, q, k)
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         plan = self._get_plan(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)

@@ -2,8 +2,9 @@
 
 Data flow: model runner (builds AttentionMetadata) -> model -> attention layer -> `forward` here
 -> Triton kernels in triton_attention.py. Per call (one layer, one step):
-  1. `write_kv_cache_triton` stores this step's K/V at `slot_mapping` (fp8 caches: x / k_scale);
-  2. decode rows (query_len 1) go through the split-KV decode kernel (+ its merge kernel);
+  1. the rotary embedding (when the layer hands it over) and the K/V store at `slot_mapping`
+     (fp8 caches: x / k_scale) in one kernel (triton_kv_write.py);
+  2. decode rows (query_len 1) go through the split-KV decode kernel (which merges its splits);
   3. prefill chunks (query_len > 1, possibly after a cached prefix) go through the tiled
      flash-attention kernel.
 Semantics are the torch reference's (torch_ref.py), which is the oracle the tests compare against.
@@ -22,7 +23,7 @@ from itertools import pairwise
 import torch
 import triton
 
-from paphos.attention.backend import FP8_KV_DTYPES
+from paphos.attention.backend import FP8_KV_DTYPES, Rotary
 from paphos.attention.metadata import AttentionMetadata
 from paphos.attention.triton_attention import (
     DecodeConfig,
@@ -30,7 +31,7 @@ from paphos.attention.triton_attention import (
     paged_attention_decode,
     paged_attention_prefill,
 )
-from paphos.attention.triton_kv_write import write_kv_cache_triton
+from paphos.attention.triton_kv_write import rope_and_write_kv_cache_triton, write_kv_cache_triton
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, *FP8_KV_DTYPES)
 
@@ -82,15 +83,19 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary: Rotary | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Any flat batch of decode rows and prefill chunks; q [T, Hq, D] -> out [T, Hq, D].
 
         Reads the device tensors of `metadata` plus the host ints max_query_len and decode_only;
         no host lists, no synchronization."""
         if getattr(metadata, "decode_only", False) or metadata.max_query_len == 1:
-            return self.forward_decode(q, k, v, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+            return self.forward_decode(
+                q, k, v, kv_cache, metadata, scale, sliding_window, logits_soft_cap, rotary, positions
+            )
         self._check(q, k, v, kv_cache)
-        write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        q = self._store_kv(q, k, v, kv_cache, metadata.slot_mapping, rotary, positions)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         common = dict(
             scale=scale,
@@ -149,6 +154,8 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary: Rotary | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A batch where every sequence has exactly one query row: row i of q is sequence i.
 
@@ -163,7 +170,7 @@ class TritonAttentionBackend:
                 f"forward_decode needs one query row per sequence: {q.shape[0]} rows, "
                 f"{metadata.seq_lens.shape[0]} sequences"
             )
-        write_kv_cache_triton(k, v, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        q = self._store_kv(q, k, v, kv_cache, metadata.slot_mapping, rotary, positions)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_attention_decode(
             q,
@@ -180,6 +187,32 @@ class TritonAttentionBackend:
             config=self.decode_config,
         )
         return out
+
+    def _store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        rotary: Rotary | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rotates q and k (when given a rotary) and stores k, v in the cache; returns the q to
+        attend with."""
+        if rotary is None:
+            write_kv_cache_triton(k, v, kv_cache, slot_mapping, self.k_scale, self.v_scale)
+            return q
+        assert positions is not None, "rotary needs the token positions"
+        if rotary.fusable and all(x.stride(-1) == 1 for x in (q, k, v)):
+            rope_and_write_kv_cache_triton(
+                positions, q, k, v, kv_cache, slot_mapping, rotary.cos_sin_cache, rotary.rotary_dim,
+                self.k_scale, self.v_scale,
+            )  # fmt: skip
+            return q
+        q, k = rotary(positions, q, k)
+        write_kv_cache_triton(k, v, kv_cache, slot_mapping, self.k_scale, self.v_scale)
+        return q
 
     # ---------------------------------------------------------------- launch config
 

@@ -78,14 +78,14 @@ class RotaryEmbedding(nn.Module):
         # derived from the config, never from checkpoint tensors.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
         half = self.rotary_dim // 2
-        self._fusable = half > 0 and half & (half - 1) == 0
+        self.fusable = half > 0 and half & (half - 1) == 0
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes. On a GPU
         the rotation happens in place (q and k are this step's fresh projections)."""
-        if fused.available(q) and self._fusable:
+        if fused.available(q) and self.fusable:
             return fused.rope_(positions, q, k, self.cos_sin_cache, self.rotary_dim)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -24,12 +24,11 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers.embedding import VocabEmbedding
 from paphos.layers.linear import Linear, QKVLinear, QuantConfig
 from paphos.layers.norm import GemmaRMSNorm
 from paphos.layers.rotary import RotaryEmbedding
 from paphos.models import hf_config
-from paphos.models.llama import LlamaForCausalLM, LlamaMLP, _method
+from paphos.models.llama import LlamaForCausalLM, LlamaMLP, _embedding, _method
 
 SLIDING = "sliding_attention"
 
@@ -86,8 +85,10 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window)
+        out = self.backend.forward(
+            q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window, rotary=self.rotary_emb,
+            positions=positions,
+        )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -136,7 +137,7 @@ class Gemma3Model(nn.Module):
             rotary[kind] = RotaryEmbedding(
                 head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=int(head_dim * partial)
             )
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = _embedding(config, dtype, quant_config)
         self.embed_scale = math.sqrt(config.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, kind, dtype, backend, rotary[kind], quant_config, f"model.layers.{i}")

@@ -30,6 +30,13 @@ def _method(quant_config: QuantConfig | None, prefix: str) -> LinearMethod | Non
     return quant_config.get_linear_method(prefix) if quant_config is not None else None
 
 
+def _embedding(config: Any, dtype: torch.dtype, quant_config: QuantConfig | None) -> VocabEmbedding:
+    """`model.embed_tokens`, kept quantized when the quant config has an embedding method (GGUF)."""
+    get = getattr(quant_config, "get_embedding_method", None)
+    method = get("model.embed_tokens") if get is not None else None
+    return VocabEmbedding(config.vocab_size, config.hidden_size, dtype, method)
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -72,8 +79,10 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window)
+        out = self.backend.forward(
+            q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window, rotary=self.rotary_emb,
+            positions=positions,
+        )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -168,7 +177,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(
             head_dim, config.max_position_embeddings, theta, scaling, rotary_dim=int(head_dim * partial)
         )
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = _embedding(config, dtype, quant_config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, dtype, backend, rotary, biases, quant_config, f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
@@ -229,14 +238,16 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.build_model(config, dtype, attn_backend, quant_config)
         self.final_soft_cap: float | None = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_word_embeddings_default))
+        # The head's quant method: GGUF blocks of lm_head.weight (a head tied to a quantized
+        # embedding runs through the embedding's method instead), or llama.cpp's input rounding
+        # over the float weight; None = F.linear on a float weight.
         self.lm_head = LMHead(
             config.vocab_size,
             config.hidden_size,
             dtype,
             tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+            quant_method=_method(quant_config, "lm_head"),
         )
-        # A quant method for the head too (llama.cpp rounds its input like any matmul's); None = F.linear.
-        self.lm_head_method = _method(quant_config, "lm_head")
 
     def build_model(
         self, config: Any, dtype: torch.dtype, attn_backend: AttentionBackend, quant_config: QuantConfig | None
@@ -268,10 +279,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] of the rows that sample -> fp32 logits [R, vocab], soft-capped if the
         config sets `final_logit_softcapping`."""
-        if self.lm_head_method is not None:
-            logits = self.lm_head_method.apply(self.lm_head, hidden).float()  # type: ignore[arg-type]
-        else:
-            logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden)
         if self.final_soft_cap is not None:
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         return logits
@@ -319,5 +327,5 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.quant_method.process_weights_after_loading(module)
-        if self.lm_head_method is not None:
-            self.lm_head_method.process_weights_after_loading(self.lm_head)  # type: ignore[arg-type]
+            elif isinstance(module, (VocabEmbedding, LMHead)):
+                module.process_weights_after_loading()

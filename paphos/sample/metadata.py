@@ -117,6 +117,9 @@ def sampler_row(p: SamplingParams) -> SamplerRow:
 class StageGroup:
     stages: tuple[str, ...]  # chain stages to run, in this group's order
     rows: torch.Tensor | None  # int64 row indices; None = every row of the batch
+    # Largest top_k of the group's sampling rows when every one of them has top_k > 0, else 0
+    # (greedy rows keep only their argmax): bounds the survivors of top-k (sample/fast/compact.py).
+    top_k_bound: int = 0
 
 
 @dataclass
@@ -324,9 +327,12 @@ def _groups(
         stages = tuple(s for s in order if s in enabled)
         by_stages.setdefault(stages, []).extend(rows)
     groups = []
+    top_k = COL["top_k"]
     for stages, rows in by_stages.items():
         if not stages:
             continue
         index = None if len(rows) == num_rows else torch.tensor(sorted(rows), dtype=torch.int64, device=device)
-        groups.append(StageGroup(stages, index))
+        ks = [int(rows_info[i].values[top_k]) for i in rows if not params[i].is_greedy]
+        bound = max(ks) if st.TOP_K in stages and ks and min(ks) > 0 else 0
+        groups.append(StageGroup(stages, index, bound))
     return groups

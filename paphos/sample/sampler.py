@@ -1,13 +1,18 @@
 """Sampler: logits of the sampling rows -> sampled token ids and logprobs (design.md §8).
 
 Pipeline, per row and independent of batch companions (contract §4.1):
-  raw logits -> logprobs of the raw distribution (what `logprobs` reports; raw - logsumexp)
+  raw logits -> row max / first argmax / logsumexp in one read (fast/rowstats.py; logprobs are
+     raw - lse, and greedy-only batches stop here)
   -> fixed pre-chain: allowed ids, grammar mask, logit_bias, id bans / min_tokens / phrase bans
   -> the ordered chain, per group of rows sharing an order (metadata.py), each stage one op under
-     ops/ that is the identity for neutral values and runs only when some row of the group uses it
-  -> skew -> select: greedy rows take the argmax; the others draw from softmax with their own
-     counter-based uniforms (rng.py); mirostat rows then update their mu.
+     ops/ that is the identity for neutral values and runs only when some row of the group uses it;
+     from a top-k with a host-known bound on, the chain runs on compacted [R, C] candidates
+     (fast/compact.py); a batch-wide (temperature, top-p, min-p) group runs one fused kernel on
+     CUDA (fast/dense_tail.py)
+  -> skew -> select: greedy rows take the argmax; the others the exponential race with their own
+     counter-based per-token uniforms (fast/race.py); mirostat rows then update their mu.
 There is no host<->device synchronisation in here: the caller reads the sampled ids back once.
+`Sampler(fast=False)` is the reference form (full vocabulary, torch ops, same draw).
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from paphos.sample import order as st
-from paphos.sample.metadata import SamplingMetadata
+from paphos.sample.fast import compact as fast_compact
+from paphos.sample.fast import dense_tail
+from paphos.sample.fast.race import race, step_keys
+from paphos.sample.fast.rowstats import row_stats
+from paphos.sample.metadata import SamplingMetadata, StageGroup
 from paphos.sample.ops.dry import apply_dry
 from paphos.sample.ops.epsilon_cutoff import apply_epsilon_cutoff
 from paphos.sample.ops.eta_cutoff import apply_eta_cutoff
@@ -136,20 +145,36 @@ _STAGES: dict[str, Callable[[torch.Tensor, _Group], torch.Tensor]] = {
 }
 
 
-def run_chain(logits: torch.Tensor, md: SamplingMetadata, coins: torch.Tensor | None) -> torch.Tensor:
-    """The ordered chain for every group of rows; top-k directly followed by top-p share one sort."""
-    for group in md.groups:
-        view = _Group(md, group.rows, coins)
-        sub = logits if group.rows is None else logits[group.rows]
-        stages = group.stages
-        i = 0
-        while i < len(stages):
-            if stages[i] == st.TOP_K and i + 1 < len(stages) and stages[i + 1] == st.TOP_P:
-                sub = apply_top_k_top_p(sub, view.col("top_k").long(), view.col("top_p"))
-                i += 2
-                continue
-            sub = _STAGES[stages[i]](sub, view)
+def _chain_group(x: torch.Tensor, md: SamplingMetadata, group: StageGroup, coins: torch.Tensor | None,
+                 compact: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One group's chain on its rows x; with `compact`, from top-k on (when the group allows it)
+    the chain runs on the [r, C] candidates: returns (values, token ids of the columns or None)."""
+    view = _Group(md, group.rows, coins)
+    stages = group.stages
+    ids = None
+    i = 0
+    while i < len(stages):
+        if (compact and ids is None and stages[i] == st.TOP_K
+                and fast_compact.compactable(stages[i + 1:], group.top_k_bound, md.vocab_size)):
+            k = view.col("top_k")
+            if not md.all_random:
+                k = torch.where(view.take(md.greedy_rows), 1.0, k)
+            x, ids, _ = fast_compact.compact_top_k(x, k, group.top_k_bound)
             i += 1
+            continue
+        if ids is None and stages[i] == st.TOP_K and i + 1 < len(stages) and stages[i + 1] == st.TOP_P:
+            x = apply_top_k_top_p(x, view.col("top_k").long(), view.col("top_p"))
+            i += 2
+            continue
+        x = _STAGES[stages[i]](x, view)
+        i += 1
+    return x, ids
+
+
+def run_chain(logits: torch.Tensor, md: SamplingMetadata, coins: torch.Tensor | None) -> torch.Tensor:
+    """The ordered chain for every group of rows, on the full vocabulary (the reference form)."""
+    for group in md.groups:
+        sub, _ = _chain_group(logits if group.rows is None else logits[group.rows], md, group, coins, False)
         if group.rows is None:
             logits = sub
         else:
@@ -169,43 +194,73 @@ def apply_pre_chain(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return logits
 
 
-def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: one uniform per row, a cumsum and a binary search per row."""
-    cdf = probs.cumsum(dim=-1)
-    # right=True: a token of zero probability repeats its predecessor's cdf and is never hit.
-    sampled = torch.searchsorted(cdf, uniform.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
-    return sampled.clamp_(max=probs.shape[-1] - 1)
-
-
 class Sampler:
+    """`fast=False` runs the reference form: the whole chain on [R, V], torch ops only (same
+    algorithm and draw; tests and the benchmark compare the two)."""
+
+    def __init__(self, fast: bool = True) -> None:
+        self.fast = fast
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
-        raw = logits.float()
-        # The raw distribution's normaliser: logprobs are raw - lse, never a full log_softmax pass.
-        lse = raw.logsumexp(dim=-1, keepdim=True)
+        if self.fast:
+            amax, argmax, lse = row_stats(logits)
+        else:
+            raw = logits.float()
+            amax, argmax, lse = raw.amax(dim=-1), raw.argmax(dim=-1), raw.logsumexp(dim=-1)
         new_mu = None
         if md.all_greedy and not md.groups and not md.has_pre_chain:
-            sampled = raw.argmax(dim=-1)
-        elif md.all_greedy:
-            sampled = run_chain(apply_pre_chain(raw.clone(), md), md, None).argmax(dim=-1)
+            sampled = argmax
+            sampled_raw = amax.unsqueeze(1)
         else:
-            u = uniforms(md.seeds, md.positions, NUM_DRAWS)
-            logits = run_chain(apply_pre_chain(raw.clone(), md), md, u[:, 1])
-            if md.skew:
-                logits = apply_skew(logits, md.col("skew"))
-            sampled = draw(logits.softmax(dim=-1), u[:, 0])
-            if not md.all_random:
-                sampled = torch.where(md.greedy_rows, logits.argmax(dim=-1), sampled)
-            if md.mirostat_mu is not None:
-                new_mu = update_mu(logits, sampled, md.col("mirostat_mode").long(), md.mirostat_mu,
-                                   md.col("mirostat_tau"), md.col("mirostat_eta"))
-        sampled_raw = raw.gather(1, sampled.unsqueeze(1))
-        sampled_logprobs = (sampled_raw - lse).squeeze(1)
+            work = logits.float()
+            work = apply_pre_chain(work.clone() if work is logits else work, md)
+            sampled, new_mu = self._select(work, md)
+            sampled_raw = logits.gather(1, sampled.unsqueeze(1)).float()
+        sampled_logprobs = (sampled_raw - lse.unsqueeze(1)).squeeze(1)
         ranks = top_ids = top_lps = None
         if md.max_num_logprobs is not None:
             # Only requests that asked for logprobs read ranks and alternatives.
+            raw = logits.float()
             ranks = (raw > sampled_raw).sum(dim=-1) + 1
             if md.max_num_logprobs > 0:
                 top_raw, top_ids = raw.topk(md.max_num_logprobs, dim=-1)
-                top_lps = top_raw - lse
+                top_lps = top_raw - lse.unsqueeze(1)
         return SamplerOutput(sampled, sampled_logprobs, ranks, top_ids, top_lps, new_mu)
+
+    def _select(self, work: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chain, skew and the choice (greedy argmax / race) on the pre-chained logits."""
+        step = None if md.all_greedy else step_keys(md.seeds, md.positions, NUM_DRAWS)
+        if self.fast and step is not None and dense_tail.applicable(md, work):
+            return dense_tail.sample(work, md, step), None
+        coins = None
+        if any(st.XTC in g.stages for g in md.groups):
+            coins = uniforms(md.seeds, md.positions, NUM_DRAWS)[:, 1]
+        ids = None
+        if len(md.groups) == 1 and md.groups[0].rows is None:
+            values, ids = _chain_group(work, md, md.groups[0], coins, self.fast)
+        else:
+            for group in md.groups:
+                sub, sub_ids = _chain_group(work if group.rows is None else work[group.rows], md, group, coins,
+                                            self.fast)
+                if sub_ids is not None:
+                    sub = fast_compact.expand(sub, sub_ids, md.vocab_size)
+                if group.rows is None:
+                    work = sub
+                else:
+                    work[group.rows] = sub
+            values = work
+        if md.skew:
+            values = apply_skew(values, md.col("skew"))
+        if step is None:
+            col = values.argmax(dim=-1)
+        else:
+            col = race(values, step, ids)
+            if not md.all_random:
+                col = torch.where(md.greedy_rows, values.argmax(dim=-1), col)
+        new_mu = None
+        if md.mirostat_mu is not None:
+            new_mu = update_mu(values, col, md.col("mirostat_mode").long(), md.mirostat_mu,
+                               md.col("mirostat_tau"), md.col("mirostat_eta"))
+        sampled = col if ids is None else ids.gather(1, col.unsqueeze(1)).squeeze(1)
+        return sampled, new_mu

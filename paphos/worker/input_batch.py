@@ -72,44 +72,49 @@ def build_step_inputs(
 ) -> StepInputs:
     req_ids = list(out.num_scheduled_tokens)
     num_seqs = len(req_ids)
-    token_chunks: list[list[int]] = []
-    position_chunks: list[np.ndarray] = []
-    slot_chunks: list[np.ndarray] = []
+    seq_states = [states[r] for r in req_ids]
+    counts = list(out.num_scheduled_tokens.values())
+    starts = [s.num_computed_tokens for s in seq_states]
+    # Host arrays built with list operations: at a few hundred decode rows a step, per-request
+    # numpy calls would cost more than the data they move.
     query_start = np.zeros(num_seqs + 1, dtype=np.int64)
-    seq_lens = np.zeros(num_seqs, dtype=np.int64)
-    max_blocks = max(len(states[r].block_ids) for r in req_ids)
+    np.cumsum(counts, out=query_start[1:])
+    qsl = query_start.tolist()
+    lens = [a + n for a, n in zip(starts, counts, strict=True)]
+    max_blocks = max(len(s.block_ids) for s in seq_states)
     block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    for i, s in enumerate(seq_states):
+        block_tables[i, : len(s.block_ids)] = s.block_ids
+    if all(n == 1 for n in counts):  # decode only: one token per sequence
+        input_ids = np.array([s.token_ids[a] for s, a in zip(seq_states, starts, strict=True)], dtype=np.int64)
+        host_positions = np.array(starts, dtype=np.int64)
+    else:
+        input_ids = np.fromiter(
+            itertools.chain.from_iterable(s.token_ids[a : a + n] for s, a, n in zip(seq_states, starts, counts,
+                                                                                   strict=True)),
+            dtype=np.int64, count=qsl[-1],
+        )
+        seq_of_token = np.repeat(np.arange(num_seqs), counts)
+        host_positions = np.arange(qsl[-1], dtype=np.int64) - query_start[seq_of_token] + np.repeat(starts, counts)
+    seq_of_row = np.repeat(np.arange(num_seqs), counts) if qsl[-1] != num_seqs else np.arange(num_seqs)
+    host_slots = (
+        block_tables[seq_of_row, host_positions // block_size].astype(np.int64) * block_size
+        + host_positions % block_size
+    )
     sampling_reqs: list[int] = []
     sampling_rows: list[int] = []
     prompt_rows: dict[int, tuple[list[int], list[int]]] = {}
-
-    for i, req_id in enumerate(req_ids):
-        state = states[req_id]
-        n = out.num_scheduled_tokens[req_id]
-        start = state.num_computed_tokens
-        end = start + n
-        token_chunks.append(state.token_ids[start:end])
-        positions = np.arange(start, end, dtype=np.int64)
-        blocks = np.asarray(state.block_ids, dtype=np.int64)
-        position_chunks.append(positions)
-        slot_chunks.append(blocks[positions // block_size] * block_size + positions % block_size)
-        block_tables[i, : len(blocks)] = blocks
-        query_start[i + 1] = query_start[i] + n
-        seq_lens[i] = end
+    for i, (state, start, end) in enumerate(zip(seq_states, starts, lens, strict=True)):
         if end == len(state.token_ids):
             sampling_reqs.append(i)
-            sampling_rows.append(int(query_start[i + 1]) - 1)
+            sampling_rows.append(qsl[i + 1] - 1)
         if state.sampling_params.prompt_logprobs is not None and start + 1 < state.num_prompt_tokens:
             # Row at position p predicts prompt token p + 1; stop before the last prompt token.
             last = min(end, state.num_prompt_tokens - 1)
-            rows = list(range(int(query_start[i]), int(query_start[i]) + last - start))
+            rows = list(range(qsl[i], qsl[i] + last - start))
             prompt_rows[i] = (rows, state.token_ids[start + 1 : last + 1])
+    seq_lens = np.array(lens, dtype=np.int64)
 
-    qsl = query_start.tolist()
-    lens = seq_lens.tolist()
-    input_ids = np.fromiter(itertools.chain.from_iterable(token_chunks), dtype=np.int64, count=int(query_start[-1]))
-    host_positions = np.concatenate(position_chunks)
-    host_slots = np.concatenate(slot_chunks)
     long_parts = uploader.upload((input_ids, host_positions, host_slots), np.int64)
     int_parts = uploader.upload((query_start, seq_lens, block_tables), np.int32)
     metadata = AttentionMetadata(
@@ -118,7 +123,7 @@ def build_step_inputs(
         seq_lens=int_parts[1],
         block_tables=int_parts[2],
         slot_mapping=long_parts[2],
-        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:], strict=False)),
+        max_query_len=max(counts),
         max_seq_len=max(lens),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=lens,

@@ -2,9 +2,9 @@
 surviving token sets for top-k, top-p, min-p, typical, top-nσ, XTC and mirostat v1/v2, the same
 logits after temperature and DRY, and the same mirostat mu update for llama.cpp's selected token.
 
-The reference is a committed golden file written by `scripts/make_llamacpp_sampler_golden.py`
-with llama-cpp-python (which is not a dependency: it compiles llama.cpp). Without the file the test
-skips and says how to make it.
+The reference is the committed golden file `golden/llamacpp_samplers.json`, written by
+`scripts/make_llamacpp_sampler_golden.py` with llama-cpp-python (not a dependency: the test only
+reads the JSON). A missing golden file is an error, not a skip.
 """
 
 from __future__ import annotations
@@ -26,19 +26,8 @@ from paphos.sample.ops.typical_p import apply_typical_p
 from paphos.sample.ops.xtc import apply_xtc
 
 GOLDEN = Path(__file__).parent / "golden" / "llamacpp_samplers.json"
-
-
-def load_cases() -> list[dict]:
-    if not GOLDEN.exists():
-        return []
-    return json.loads(GOLDEN.read_text())["cases"]
-
-
-CASES = load_cases()
-pytestmark = pytest.mark.skipif(
-    not CASES, reason=f"{GOLDEN} is absent: generate it with scripts/make_llamacpp_sampler_golden.py "
-    "(needs llama-cpp-python, not installed in the project venv)",
-)
+REFERENCE = json.loads(GOLDEN.read_text())
+CASES: list[dict] = REFERENCE["cases"]
 
 
 def one(value: float) -> torch.Tensor:
@@ -72,11 +61,16 @@ def ours(case: dict, history: list[int]) -> torch.Tensor:
     return apply_mirostat(x, mode, one(case["mu_before"]), vocab)
 
 
+def test_golden_covers_every_sampler() -> None:
+    names = {case["sampler"] for case in CASES}
+    assert names == {"top_k", "top_p", "min_p", "typical", "temperature", "top_n_sigma", "xtc", "dry",
+                     "mirostat", "mirostat_v2"}
+
+
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_matches_llamacpp(index: int) -> None:
     case = CASES[index]
-    history = json.loads(GOLDEN.read_text())["history"]
-    out = ours(case, history)[0]
+    out = ours(case, REFERENCE["history"])[0]
     survivors = sorted(torch.nonzero(torch.isfinite(out)).flatten().tolist())
     assert survivors == case["survivors"], case["sampler"]
     if case["sampler"] in ("temperature", "dry"):

@@ -3,9 +3,14 @@
 Data flow: `GGUFLinearMethod.process_weights_after_loading` -> `select_kernel(shards, device,
 dtype)`: the first class of `KERNELS` whose `can_implement` accepts the layer wins (design.md §7;
 the choice is logged once per distinct outcome) -> `kernel.prepare(layer)` repacks the raw blocks
-once -> `kernel.apply(layer, x)` on every forward. GPU kernels (Triton, fused dequant x matmul
-for decode, dequantize-tile + tensor cores for prefill) go at the front of `KERNELS` and take the
-raw blocks as they are (`GGUFLinearMethod` documents where they live; dequant.py the layouts).
+once -> `kernel.apply(layer, x)` on every forward. The GPU kernel (`TritonGGUFKernel`,
+triton_gguf.py: fused dequant x matmul up to FUSED_MAX_TOKENS tokens per step, dequantize into a
+shared scratch buffer + cuBLAS above) is at the front of `KERNELS`; it repacks the raw blocks into
+planes of the same size (+<4% for K-quant scales) and checks itself once per type at start-up
+against the torch reference, falling back to dequantize-at-load if it fails. A weight that only
+serves row lookups (an untied token embedding) takes `select_embedding_kernel` instead (Triton
+planes on CUDA, else the raw blocks): it is never dequantized whole. Kernels with an `embed` give
+the rows of a token embedding (a head tied to it shares the one layout).
 
 The CPU choice. Per-call dequantization costs several times the matmul it feeds (a 1536x576 Q4_1
 weight: 0.9 ms to dequantize in torch, 0.12 ms for the bf16 GEMV), so on CPU a layer either runs
@@ -80,6 +85,11 @@ class GGUFKernel(Protocol):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype (bias not added)."""
+
+    # Optional, for weights that are also an embedding (see `GGUFLinearMethod`):
+    # def embed(self, layer, ids) -> rows `ids` of the weight [*ids.shape, in] in the layer's
+    # dtype, bit-equal to `dequantize(raw)[ids].to(dtype)`. Int4PackCPUKernel has none (its scales
+    # are rounded to bf16).
 
 
 def _drop_raw(layer: nn.Module) -> None:
@@ -173,10 +183,13 @@ class DequantPerCallKernel:
         return device.type != "cpu"
 
     def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
-        self.shards = shards
+        self.shards, self.dtype = shards, dtype
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize_layer(layer.weight, self.shards, x.dtype))
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return embed_raw(layer.weight, self.shards, ids, self.dtype)
 
 
 class DequantizedAtLoadKernel:
@@ -198,12 +211,35 @@ class DequantizedAtLoadKernel:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.gguf_dequantized)
 
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.gguf_dequantized)
+
+
+def embed_raw(
+    weight: torch.Tensor, shards: tuple[GGUFShard, ...], ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows `ids` of a one-shard raw weight, dequantized (torch; a gather of block rows, then the
+    dequantizer on those rows only): [*ids.shape, in] in `dtype`. No host sync: CUDA-graph safe."""
+    if len(shards) != 1:
+        raise ValueError("row lookups need a weight of one GGUF tensor")
+    raw = raw_shard(weight, shards[0])
+    rows = raw.index_select(0, ids.reshape(-1))  # uint8 [T, row_bytes]
+    return dequantize(rows, shards[0].type_name).to(dtype).view(*ids.shape, -1)
+
 
 # First match wins; GPU kernels go in front.
+# TritonGGUFKernel (triton_gguf.py): CUDA, bf16/fp16, layers whose every shard has a Triton
+# format (Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS); others (and a kernel failing its
+# start-up self-check) dequantize at load.
 # DequantPerCallKernel is not a candidate: on a GPU it dequantizes every weight on every step
-# (tens of ms for an 8B model), so until the Triton kernels land a GPU dequantizes at load; it
-# stays as the torch reference those kernels are tested against.
-KERNELS: list[type[GGUFKernel]] = [Int4PackCPUKernel, DequantizedAtLoadKernel]
+# (tens of ms for an 8B model); it stays as a torch reference.
+from paphos.quant.gguf.triton_gguf import TritonGGUFKernel  # noqa: E402 (needs the names above)
+
+KERNELS: list[type[GGUFKernel]] = [TritonGGUFKernel, Int4PackCPUKernel, DequantizedAtLoadKernel]
+
+# For weights that only serve row lookups (an untied embedding): kept in blocks, never
+# dequantized whole. The Triton layout on CUDA (one launch per lookup), else the raw blocks.
+EMBEDDING_KERNELS: list[type[GGUFKernel]] = [TritonGGUFKernel, DequantPerCallKernel]
 
 _logged: set[tuple[str, str, str]] = set()
 
@@ -220,3 +256,20 @@ def select_kernel(shards: tuple[GGUFShard, ...], device: torch.device, dtype: to
                 logger.info("GGUF %s weights on %s (%s): %s kernel", types, device.type, dtype, cls.name)
             return cls()
     raise RuntimeError("no GGUF kernel accepts the layer")  # DequantizedAtLoadKernel accepts all
+
+
+def select_embedding_kernel(
+    shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype
+) -> GGUFKernel:
+    """The kernel of a weight that is only an embedding: Triton planes where the Triton kernels
+    take the type (CUDA, bf16/fp16), else the raw blocks dequantized per lookup (any device)."""
+    types = "+".join(sorted({s.type_name for s in shards}))
+    if TritonGGUFKernel.can_implement(shards, device, dtype):
+        kernel: GGUFKernel = TritonGGUFKernel(matmul=False)
+    else:
+        kernel = DequantPerCallKernel()
+    key = (f"{kernel.name} (embedding)", types, device.type)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("GGUF %s embedding on %s (%s): %s kernel", types, device.type, dtype, kernel.name)
+    return kernel

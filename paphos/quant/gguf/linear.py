@@ -9,10 +9,18 @@ loader for those tensors raw (`raw_tensor_names`) and the shard loader copies th
 `process_weights_after_loading` picks a kernel (kernels.py; first whose `can_implement` accepts)
 and lets it repack -> `apply(x)` runs it.
 
+The token embedding and the output head use the same class (paphos/layers/embedding.py wires
+them): `get_embedding_method('model.embed_tokens')` keeps `token_embd.weight` in its blocks and
+`embed(layer, ids)` dequantizes only the gathered rows (Triton planes + one gather kernel on CUDA,
+raw blocks + the torch dequantizer elsewhere), bit-equal to the table dequantized at load.
+`get_linear_method('lm_head')` gives an untied head (`output.weight`) its method like any linear
+layer; a tied head runs through the embedding's method (`use_as_head`): one copy of the blocks, a
+matmul kernel chosen from `KERNELS`, and lookups that read that kernel's layout.
+
 So weight memory is the file's tensor bytes (plus whatever a kernel's repacking adds; the CPU
-fallback for types without a packed kernel dequantizes at load, see kernels.py). Layers whose
-weights the file stores as F32, and the output head (tied to the embedding or not), stay float:
-the embedding is a row gather that the loader dequantizes at load.
+fallback for types without a packed kernel dequantizes at load, see kernels.py; a tied Q8_0 head
+on CPU, as in SmolLM2 and Gemma 3, is therefore one bf16 table for head and embedding, as before).
+Layers whose weights the file stores as F32 stay float.
 """
 
 from __future__ import annotations
@@ -27,8 +35,16 @@ from paphos.layers.linear import LinearBase
 from paphos.layers.weights import copy_checked
 from paphos.loader.gguf_loader import GGUFCheckpoint
 from paphos.loader.gguf_reader import GGUFTensor
-from paphos.quant.gguf.dequant import SUPPORTED_TYPES
-from paphos.quant.gguf.kernels import GGUFKernel, GGUFShard, raw_shard, select_kernel
+from paphos.quant.gguf.dequant import SUPPORTED_TYPES, dequantize
+from paphos.quant.gguf.kernels import (
+    DequantPerCallKernel,
+    GGUFKernel,
+    GGUFShard,
+    embed_raw,
+    raw_shard,
+    select_embedding_kernel,
+    select_kernel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +66,30 @@ def checkpoint_names(prefix: str) -> list[str]:
 
 class GGUFLinearMethod:
     """A linear layer over raw GGUF blocks. `tensors`: (HF name, GGUF tensor) of each shard, in
-    output order. One instance per layer (it keeps the layer's shard table and kernel)."""
+    output order. One instance per layer (it keeps the layer's shard table and kernel).
 
-    def __init__(self, tensors: list[tuple[str, GGUFTensor]]) -> None:
+    `embedding=True`: the weight is a token embedding ([vocab, hidden], one tensor): `embed(layer,
+    ids)` gives its rows, bit-equal to the table dequantized at load (after the same cast). Such a
+    weight serves row lookups only (kernel from `EMBEDDING_KERNELS`: never dequantized whole)
+    unless `use_as_head()` is called (a head tied to the embedding): then the kernel is chosen
+    like any linear layer's (`KERNELS`) and the lookups read that kernel's layout, one copy of
+    the blocks for both; a kernel that cannot give exact rows (int4pack) keeps the raw blocks
+    beside its own layout."""
+
+    def __init__(self, tensors: list[tuple[str, GGUFTensor]], *, embedding: bool = False) -> None:
         # Only the table is kept, not the tensors: their data are views that pin the file mapping.
         self.layout = [(name, t.tensor_type.name, t.shape, t.n_bytes) for name, t in tensors]
         self.raw_tensor_names: tuple[str, ...] = tuple(name for name, _ in tensors)
         self.shards: tuple[GGUFShard, ...] = ()
         self.dtype = torch.float32
         self.kernel: GGUFKernel | None = None
+        self.embedding = embedding
+        self.matmul = not embedding
+        self.rows_from_raw = False  # lookups read the raw blocks kept as `gguf_rows` (see above)
+
+    def use_as_head(self) -> None:
+        """The weight is also an output head (tied embeddings): pick a matmul kernel for it."""
+        self.matmul = True
 
     def create_weights(
         self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype
@@ -82,9 +113,51 @@ class GGUFLinearMethod:
         weight.weight_loader = load_shard  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        self.kernel = select_kernel(self.shards, layer.weight.device, self.dtype)
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        device = layer.weight.device
+        select = select_kernel if self.matmul else select_embedding_kernel
+        self.kernel = select(self.shards, device, self.dtype)
+        raw = layer.weight.data  # kept alive past `prepare` (which may free the parameter's blocks)
         self.kernel.prepare(layer, self.shards, self.dtype)
+        if not self.embedding or self._exact_rows(layer, raw):
+            return
+        name = self.raw_tensor_names[0]
+        if self.matmul:  # a tied head: keep its kernel, and the raw blocks beside it for lookups
+            logger.info(
+                "%s: no exact rows from the %s kernel; lookups read raw blocks", name, self.kernel.name
+            )
+            layer.register_buffer("gguf_rows", raw.view(self.shards[0].rows, -1), persistent=False)
+            self.rows_from_raw = True
+            return
+        logger.warning(
+            "%s: the %s kernel's rows are not exact; lookups read raw blocks", name, self.kernel.name
+        )
+        for buffer in [b for b in layer._buffers if b.startswith("gguf_")]:
+            delattr(layer, buffer)  # the kernel's layout, unused from now on
+        layer.weight.data = raw
+        self.kernel = DequantPerCallKernel()
+        self.kernel.prepare(layer, self.shards, self.dtype)
+
+    def _exact_rows(self, layer: nn.Module, raw: torch.Tensor) -> bool:
+        """Whether the kernel's lookups equal the dequantized blocks, on rows spread over the table."""
+        if not hasattr(self.kernel, "embed"):
+            return False
+        shard = self.shards[0]
+        ids = torch.linspace(0, shard.rows - 1, min(shard.rows, 64), device=raw.device).long()
+        want = dequantize(raw_shard(raw, shard).index_select(0, ids), shard.type_name).to(self.dtype)
+        try:
+            return torch.equal(self.kernel.embed(layer, ids), want)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 (a lookup kernel that fails to build -> the raw blocks)
+            logger.warning("%s: embedding lookup failed (%s)", self.raw_tensor_names[0], e)
+            return False
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of an embedding weight: [*ids.shape, hidden] in the model dtype."""
+        if self.kernel is None:
+            raise RuntimeError(f"{self.raw_tensor_names[0]}: GGUF weights used before loading")
+        if self.rows_from_raw:
+            return embed_raw(layer.gguf_rows.view(-1), self.shards, ids, self.dtype)
+        return self.kernel.embed(layer, ids)  # type: ignore[union-attr]
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel is None:
@@ -107,9 +180,18 @@ class GGUFQuantConfig:
         return cls(checkpoint.tensors_by_hf_name())
 
     def get_linear_method(self, prefix: str) -> GGUFLinearMethod | None:
-        if prefix == "lm_head":
-            return None  # loaded as a float parameter (see the module docstring)
-        names = checkpoint_names(prefix)
+        if prefix == "lm_head" and "lm_head.weight" not in self.tensors:
+            # Tied to the embedding: the head runs through the embedding's method
+            # (`get_embedding_method`, `GGUFLinearMethod.use_as_head`), one copy of the blocks.
+            return None
+        return self._method(prefix, checkpoint_names(prefix))
+
+    def get_embedding_method(self, prefix: str) -> GGUFLinearMethod | None:
+        """The token embedding at module path `prefix` (e.g. 'model.embed_tokens'), kept in its
+        blocks; None (a float table dequantized at load) for F32 or types torch cannot decode."""
+        return self._method(prefix, [f"{prefix}.weight"], embedding=True)
+
+    def _method(self, prefix: str, names: list[str], embedding: bool = False) -> GGUFLinearMethod | None:
         tensors = [self.tensors.get(n) for n in names]
         if any(t is None for t in tensors):
             logger.warning("%s: no GGUF tensor for %s; the layer stays float", prefix, names)
@@ -117,4 +199,4 @@ class GGUFQuantConfig:
         types = {t.tensor_type.name for t in tensors}  # type: ignore[union-attr]
         if types == {"F32"} or not types <= set(SUPPORTED_TYPES):
             return None  # float32 as stored, or a type only the loader's numpy path knows
-        return GGUFLinearMethod(list(zip(names, tensors, strict=True)))  # type: ignore[arg-type]
+        return GGUFLinearMethod(list(zip(names, tensors, strict=True)), embedding=embedding)  # type: ignore[arg-type]

@@ -45,3 +45,28 @@ def suffix_targets(history: torch.Tensor, k: int) -> torch.Tensor:
     if take < k:
         targets = torch.nn.functional.pad(targets, (0, k - take), value=-2)
     return targets
+
+
+def history_scatter_index(history: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stats index, write index) [R, T] for sparse per-history-token updates.
+
+    Stats index: the token id at known positions, `vocab_size` (a spare column) elsewhere. Write
+    index: the token id at known positions; unknown positions point at the row's newest token (a
+    known one, the history is right-aligned) or at 0 when the row has none, so that every write
+    to one id in a row carries the same value (computed from that id's stats) and the scatter is
+    deterministic. The stats of a row without history read the spare column."""
+    known = history >= 0
+    stats = torch.where(known, history, vocab_size)
+    newest = stats[:, -1:]
+    gather = torch.where(known, history, newest)
+    return stats, gather
+
+
+def per_token(stats_index: torch.Tensor, src: torch.Tensor, gather_index: torch.Tensor, vocab_size: int,
+              reduce: str) -> torch.Tensor:
+    """reduce(src over the positions of each token), read back at gather_index: [R, T]. The scratch
+    [R, V + 1] is never initialised: include_self=False defines every column some position writes,
+    and only those are read."""
+    scratch = torch.empty(src.shape[0], vocab_size + 1, dtype=src.dtype, device=src.device)
+    scratch.scatter_reduce_(1, stats_index, src, reduce=reduce, include_self=False)
+    return scratch.gather(1, gather_index)

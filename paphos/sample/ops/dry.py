@@ -14,7 +14,7 @@ admission (last id of encode("a" + b)). multiplier = 0 is the identity.
 
 import torch
 
-from paphos.sample.ops.common import suffix_match_lengths, suffix_targets
+from paphos.sample.ops.common import history_scatter_index, per_token, suffix_match_lengths, suffix_targets
 
 
 def apply_dry(
@@ -51,11 +51,14 @@ def apply_dry(
     positions = torch.arange(length, device=history.device).unsqueeze(0)
     newest_reached = torch.where(reached, positions, -1).amax(dim=-1, keepdim=True)
     candidate &= positions >= newest_reached
-    lengths = torch.where(candidate, match, 0).float()
-    ids = torch.where(candidate, seq, logits.shape[1])
-    longest = torch.zeros(rows, logits.shape[1] + 1, device=logits.device)
-    longest.scatter_reduce_(1, ids, lengths, reduce="amax")
-    longest = longest[:, : logits.shape[1]]
+    # Sparse: the longest match per token, read back at each position of the sequence, and only
+    # those ids rewritten (tokens outside the sequence have longest 0: unchanged).
+    vocab = logits.shape[1]
+    stats, at = history_scatter_index(seq, vocab)
+    longest = per_token(stats, torch.where(candidate, match, 0).float(), at, vocab, "amax")
+    longest = torch.where(at < vocab, longest, 0.0)
     allowed = allowed_length.unsqueeze(1).float()
     penalty = multiplier.unsqueeze(1) * base.unsqueeze(1).pow(longest - allowed)
-    return logits - torch.where((longest >= allowed) & (longest > 0), penalty, 0.0)
+    write = at.clamp(max=vocab - 1)
+    old = logits.gather(1, write)
+    return logits.scatter_(1, write, old - torch.where((longest >= allowed) & (longest > 0), penalty, 0.0))

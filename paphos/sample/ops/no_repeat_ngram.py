@@ -19,7 +19,8 @@ def apply_no_repeat_ngram(logits: torch.Tensor, history: torch.Tensor, size: tor
     ban = (match >= need) & (history >= 0) & (size > 0).unsqueeze(1)
     # The current suffix needs n - 1 known tokens (HF: nothing is banned before that).
     ban &= ((history >= 0).sum(dim=-1, keepdim=True) >= need)
-    ids = torch.where(ban, history, logits.shape[1])
-    banned = torch.zeros(logits.shape[0], logits.shape[1] + 1, dtype=torch.bool, device=logits.device)
-    banned.scatter_(1, ids, True)
-    return logits.masked_fill(banned[:, : logits.shape[1]], float("-inf"))
+    # Sparse: add -inf at banned ids and 0 elsewhere (order-free, so the accumulation is exact).
+    rows = torch.arange(history.shape[0], device=history.device).unsqueeze(1).expand_as(history)
+    ids = history.clamp(min=0)
+    values = torch.where(ban, float("-inf"), 0.0).to(logits.dtype)
+    return logits.index_put_((rows, ids), values, accumulate=True)

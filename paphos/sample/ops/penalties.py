@@ -11,13 +11,7 @@ History is right-aligned: history[:, -1] is the newest token, -1 marks unused po
 
 import torch
 
-
-def _token_flags(history: torch.Tensor, include: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] counts of tokens at the positions `include` selects."""
-    ids = torch.where(include & (history >= 0), history, vocab_size)
-    counts = torch.zeros(history.shape[0], vocab_size + 1, device=history.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab_size]
+from paphos.sample.ops.common import history_scatter_index, per_token
 
 
 def apply_penalties(
@@ -30,18 +24,26 @@ def apply_penalties(
     frequency: torch.Tensor,
     presence: torch.Tensor,
 ) -> torch.Tensor:
+    """Sparse: only the ids of the history are read and written ([R, T] work, no [R, V] pass);
+    a token outside the history keeps its logit exactly (the dense form's factor 1 and counts 0)."""
     length = history.shape[1]
     vocab = logits.shape[1]
     age = torch.arange(length - 1, -1, -1, device=history.device).unsqueeze(0)  # 0 = newest
+    known = history >= 0
     window = torch.where(rep_range > 0, rep_range, length).clamp(max=length).unsqueeze(1)
-    known = (history >= 0).sum(dim=-1, keepdim=True)
-    window = torch.minimum(window, known)
-    in_window = _token_flags(history, age < window, vocab) > 0
-    in_newer = _token_flags(history, age < window - window // 2, vocab) > 0
+    window = torch.minimum(window, known.sum(dim=-1, keepdim=True))
+    stats, at = history_scatter_index(history, vocab)
+    # Newest occurrence (age) and output count of each position's token.
+    newest = per_token(stats, torch.where(known, age, length).float(), at, vocab, "amin")
+    counts = per_token(stats, (known & (age < num_output.unsqueeze(1))).float(), at, vocab, "sum")
+    in_window = newest < window
+    in_newer = newest < window - window // 2
     rp = repetition.unsqueeze(1)
     older_rp = 1 + (rp - 1) * slope.unsqueeze(1)
     use_older = ~in_newer & (slope < 1).unsqueeze(1) & (rp > 1)
     factor = torch.where(in_window, torch.where(use_older, older_rp, rp), 1.0)
-    logits = torch.where(logits > 0, logits / factor, logits * factor)
-    counts = _token_flags(history, age < num_output.unsqueeze(1), vocab)
-    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
+    write = at.clamp(max=vocab - 1)  # rows without history: id 0, rewritten with its own value
+    old = logits.gather(1, write)
+    new = torch.where(old > 0, old / factor, old * factor)
+    new = new - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
+    return logits.scatter_(1, write, new)

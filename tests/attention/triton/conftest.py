@@ -19,6 +19,7 @@ import pytest
 
 # Each kernel module with one of its kernels, by which a compiled import is recognised.
 _MODULES = (
+    ("paphos.layers.fused", "_rope_kernel"),  # its rotation is part of the K/V write kernel
     ("paphos.attention.triton_attention", "_prefill_kernel"),
     ("paphos.attention.triton_kv_write", "_write_kv_kernel"),
 )

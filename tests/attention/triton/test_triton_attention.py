@@ -100,7 +100,6 @@ def test_kernels_run_in_the_interpreter_on_cpu_tensors() -> None:
     for kernel in (
         tw._write_kv_kernel,
         ta._decode_split_kernel,
-        ta._decode_reduce_kernel,
         ta._prefill_kernel,
     ):
         assert isinstance(kernel, InterpretedFunction)
@@ -294,3 +293,46 @@ def test_write_kernel_matches_reference_bytes(cache_dtype: torch.dtype) -> None:
     # A negative slot is a padding row: nothing is stored.
     tw.write_kv_cache_triton(k, v, tri_cache, torch.tensor([-1, -1, -1, -1, 3]), 0.5, 0.25)
     assert torch.equal(tri_cache[:, :, :3].view(torch.uint8), ref_cache[:, :, :3].view(torch.uint8))
+
+
+@pytest.mark.parametrize(("cache_dtype", "rotary_dim"), [(torch.float16, 64), (torch.float16, 32), (FP8, 64)])
+def test_rope_and_write_kernel_matches_rotary_then_write(cache_dtype: torch.dtype, rotary_dim: int) -> None:
+    """One launch rotates q and k in place and stores the rotated k with v: the same bytes as the
+    torch rotary embedding followed by the reference write (fp16: the interpreter rounds it
+    exactly), padding rows (slot -1) rotated but not stored."""
+    from paphos.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    rotary = RotaryEmbedding(64, 128, 10000.0, rotary_dim=rotary_dim)
+    qkv = (torch.randn(5, (4 + 2 + 2) * 64, generator=gen) * 3).to(torch.float16)
+    q, k, v = (t.view(5, -1, 64) for t in qkv.split([4 * 64, 2 * 64, 2 * 64], dim=1))
+    positions = torch.tensor([0, 5, 17, 100, 127])
+    slots = torch.tensor([9, 47, -1, 21, 40])
+    ref_q, ref_k = rotary(positions, q.clone(), k.clone())
+    ref_cache = torch.zeros(6, 2, 8, 2, 64, dtype=cache_dtype)
+    write_kv_cache(ref_k[[0, 1, 3, 4]], v[[0, 1, 3, 4]], ref_cache, slots[[0, 1, 3, 4]], 0.5, 0.25)
+    tri_cache = torch.zeros_like(ref_cache)
+    tw.rope_and_write_kv_cache_triton(
+        positions, q, k, v, tri_cache, slots, rotary.cos_sin_cache, rotary_dim, 0.5, 0.25
+    )
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(tri_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+def test_backend_applies_the_rotary_it_is_handed() -> None:
+    """forward(rotary=...) equals rotating first and calling forward without it, on both backends."""
+    from paphos.layers.rotary import RotaryEmbedding
+
+    case = make_case(MIXED, 2, 2, act_dtype=torch.float16, cache_dtype=torch.float16, seed=21)
+    rotary = RotaryEmbedding(64, 256, 10000.0)
+    positions = torch.cat([
+        torch.arange(s - q_len, s) for q_len, s in MIXED
+    ])
+    for backend in (TorchReferenceBackend(), TritonAttentionBackend()):
+        rq, rk = rotary(positions, case.q.clone(), case.k.clone())
+        cache_a, cache_b = case.cache.clone(), case.cache.clone()
+        expected = backend.forward(rq, rk, case.v, cache_a, case.md, case.scale)
+        out = backend.forward(case.q.clone(), case.k.clone(), case.v, cache_b, case.md, case.scale,
+                              rotary=rotary, positions=positions)
+        assert torch.equal(out, expected), backend.name
+        assert torch.equal(cache_a, cache_b), backend.name

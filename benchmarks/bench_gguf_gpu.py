@@ -1,0 +1,428 @@
+"""GGUF on the GPU in one process: the Triton GGUF kernels checked and tuned on Llama-3-8B shapes,
+then the engine on a random Llama-3-8B-shaped Q4_K_M-style file and a Q8_0 file against bf16 dummy
+weights of the same shape, with llama.cpp's H200 figures (issue 7) as the reference column.
+
+    PYTHONPATH=<carried wheels> python benchmarks/bench_gguf_gpu.py --out results/gguf_gpu.json \\
+        [--sections ceilings,kernels,sweep,crossover,q4_k_m,q8_0,bf16] [--q4km F.gguf] [--q8 F.gguf]
+
+Sections (in this order; each one's failure is recorded and the rest go on; the JSON is rewritten
+after every section so a timeout keeps what finished):
+  ceilings   copy bandwidth (read + write bytes / s), the denominator of "fraction of copy BW"
+  kernels    every Triton format on real shapes against the torch reference (dequantize in fp32,
+             matmul in fp32): max relative error for M = 1, 16, 64 (fused) and 512 (dequantize +
+             cuBLAS); acceptance < 1e-2
+  sweep      block sizes / split-K / warps of the fused kernel per (type, shape) at M = 1 and 16,
+             the best one installed in TUNED_CONFIGS (the engine sections use them)
+  crossover  fused kernel vs dequantize + cuBLAS at M = 16..256 on the gate_up shape; sets
+             FUSED_MAX_TOKENS to the largest M where fused wins
+  q4_k_m, q8_0, bf16   the engine (paphos.LLM, CUDA graphs): batch-1 decode tok/s (and GB/s of
+             the weight bytes read per token, fraction of copy BW), batch-16 / 64 decode tok/s,
+             pp512 tok/s, weight memory on the GPU (every parameter and buffer, embedding and head
+             included, each also on its own) vs the file's tensor bytes, kernels chosen
+The GGUF files are generated into a temp dir (scripts/make_random_gguf.py) unless given; they
+have no vocabulary, so a synthetic tokenizer is passed (as bench_gpu.py does for dummy weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_gpu import cuda_time, random_prompts, write_synthetic_tokenizer  # noqa: E402
+from make_random_gguf import random_blocks as gguf_random_blocks  # noqa: E402
+from make_random_gguf import write as write_gguf  # noqa: E402
+
+from paphos import LLM  # noqa: E402
+from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
+from paphos.quant.gguf.dequant import dequantize  # noqa: E402
+from paphos.sampling_params import SamplingParams  # noqa: E402
+
+SECTIONS = ("ceilings", "kernels", "sweep", "crossover", "q4_k_m", "q8_0", "bf16")
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
+# llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512.
+LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500}, "q8_0": {"tg128": 255, "pp512": 11100},
+            "bf16": {"tg128": 208, "pp512": None}}  # F16 for the float row  # fmt: skip
+# (name, N, K) of the Llama-3-8B linears (qkv: q|k of one type + v, tested by parts)
+SHAPES = (("attn_q/o", 4096, 4096), ("attn_k/v", 1024, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336), ("head", 128256, 4096))  # fmt: skip
+MAIN_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+
+
+def _raw_gpu(type_name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if type_name in ("Q4_K", "Q6_K", "Q8_0"):
+        raw = gguf_random_blocks(type_name, n, k, rng)
+    else:
+        sys.path.insert(0, str(ROOT))
+        from tests.quant.gguf_blocks import random_blocks, weight_scale
+
+        raw = random_blocks(type_name, n, k, rng, weight_scale(type_name))
+    return torch.from_numpy(raw).cuda()
+
+
+def _segment(type_name: str, n: int, k: int, seed: int = 0) -> tuple[tg.Segment, torch.Tensor]:
+    raw = _raw_gpu(type_name, n, k, seed)
+    return tg.Segment(type_name, 0, n, k, tg.repack(raw, type_name)), raw
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.results: dict[str, Any] = {
+            "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "triton": getattr(tg.triton, "__version__", None), "llamacpp_reference": LLAMACPP,
+        }  # fmt: skip
+        self.tmp = Path(args.tmp or tempfile.mkdtemp(prefix="paphos-gguf-bench-"))
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.config = json.loads(Path(args.config).read_text())
+        self.tokenizer_dir = self.tmp / "tokenizer"
+        write_synthetic_tokenizer(self.tokenizer_dir, self.config["vocab_size"], self.config["eos_token_id"])
+
+    def save(self) -> None:
+        Path(self.args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.args.out).write_text(json.dumps(self.results, indent=1, default=str))
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def section_ceilings(bench: Bench) -> dict[str, Any]:
+    n = 2 << 30
+    buffers = torch.empty(2, n, dtype=torch.uint8, device="cuda")
+    t = cuda_time(lambda: buffers[1].copy_(buffers[0]), iters=20)
+    buffers.resize_(0)
+    torch.cuda.empty_cache()
+    bench.results["copy_bw"] = 2 * n / t
+    return {"copy_GBps": 2 * n / t / 1e9}
+
+
+def section_kernels(bench: Bench) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    worst = 0.0
+    cases = [(t, name, n, k) for t in MAIN_TYPES for name, n, k in SHAPES if name != "head"]
+    cases += [(t, "attn_q/o", 4096, 4096) for t in tg.FORMATS if t not in MAIN_TYPES]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for type_name, shape, n, k in cases:
+        seg, raw = _segment(type_name, n, k)
+        w = dequantize(raw, type_name)  # fp32 reference weights
+        errs = {}
+        for m in (1, 16, 64, 512):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = x.float() @ w.t()
+            got = tg.fused_matmul(x, [seg], n) if m <= 64 else tg.dequant_matmul(x, [seg], n)
+            errs[f"M{m}"] = _rel(got, ref)
+        worst = max(worst, *errs.values())
+        out[f"{type_name} {shape} {n}x{k}"] = errs
+        del seg, raw, w
+    torch.cuda.empty_cache()
+    out["max_rel_err"] = worst
+    out["pass"] = worst < 1e-2
+    return out
+
+
+def _candidates(m: int) -> list[tg.KernelConfig]:
+    if m == 1:
+        tiles = [(8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 256, 8), (32, 512, 8), (8, 512, 2)]
+        return [tg.KernelConfig(bn, bk, s, w, 2, 1) for bn, bk, w in tiles for s in (1, 2, 4, 8)]
+    tiles = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 64, 4)]
+    return [tg.KernelConfig(bn, bk, s, w, 2, 16) for bn, bk, w in tiles for s in (1, 2, 4)]
+
+
+def section_sweep(bench: Bench) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    deadline = time.perf_counter() + bench.args.sweep_seconds
+    for type_name in MAIN_TYPES:
+        for name, n, k in SHAPES:
+            if name == "head" and type_name == "Q4_K":
+                continue  # the Q4_K_M head is Q6_K
+            seg, _ = _segment(type_name, n, k)
+            bytes_read = seg.n_bytes()
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                default = tg.config_for(type_name, n, k, m)
+                results = []
+                for cfg in [default, *_candidates(m)]:
+                    if time.perf_counter() > deadline and cfg is not default:
+                        break
+                    try:
+                        t = cuda_time(lambda c=cfg, x=x, s=seg, n=n: tg.fused_matmul(x, [s], n, [c]), warmup=2, iters=10)
+                    except Exception as e:  # noqa: BLE001 (a config that does not compile is skipped)
+                        results.append((math.inf, cfg, f"{type(e).__name__}"))
+                        continue
+                    results.append((t, cfg, None))
+                best_t, best, _ = min(results, key=lambda r: r[0])
+                tg.TUNED_CONFIGS[(type_name, n, k, tg.m_bucket(m))] = best
+                default_t = results[0][0]
+                out[f"{type_name} {name} {n}x{k} M{m}"] = {
+                    "best_us": best_t * 1e6, "best": best.__dict__, "default_us": default_t * 1e6,
+                    "GBps": bytes_read / best_t / 1e9, "tried": len(results),
+                    "failed": sum(1 for r in results if r[2]),
+                }  # fmt: skip
+    torch.cuda.empty_cache()
+    return out
+
+
+def section_crossover(bench: Bench) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    n, k = 28672, 4096
+    segs = [_segment("Q4_K", n, k)[0]]
+    fused_wins = []
+    for m in (16, 32, 64, 128, 256):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        t_fused = cuda_time(lambda x=x: tg.fused_matmul(x, segs, n), warmup=2, iters=10)
+        t_deq = cuda_time(lambda x=x: tg.dequant_matmul(x, segs, n), warmup=2, iters=10)
+        out[f"M{m}"] = {"fused_us": t_fused * 1e6, "dequant_cublas_us": t_deq * 1e6}
+        if t_fused < t_deq:
+            fused_wins.append(m)
+    # The largest bucket up to which fused is faster at every tested M (64 at most: its tile).
+    limit = 16
+    for m in (16, 32, 64):
+        if m in fused_wins:
+            limit = m
+        else:
+            break
+    tg.FUSED_MAX_TOKENS = limit
+    out["FUSED_MAX_TOKENS"] = limit
+    segs.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.runner.model
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    """GPU bytes of a module's parameters and buffers (blocks, repacked planes or float tables)."""
+    tensors = {t.data_ptr(): t for t in [*module.parameters(), *module.buffers()] if t.is_cuda and t.numel()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _weight_report(llm: LLM, gguf_path: Path | None) -> dict[str, Any]:
+    """Weight memory on the GPU: every parameter and buffer of the model, the embedding and the head
+    included (kept in GGUF blocks, or float tables where the file or a fallback has them so), and
+    the bytes one decode step reads (all but the embedding, of which it reads a few rows; a head
+    tied to the embedding reads the shared table whole)."""
+    model = _model(llm)
+    total = _module_bytes(model)
+    embed_module, head_module = model.model.embed_tokens, model.lm_head
+    embed_bytes = _module_bytes(embed_module)
+    tied = getattr(model, "tie_word_embeddings", False)
+    head_bytes = embed_bytes if tied else _module_bytes(head_module)
+    read_per_token = total - (0 if tied else embed_bytes)
+    kinds = Counter()
+    dequantized = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "kernel", None)
+        if kernel is not None:
+            name = kernel.name if getattr(kernel, "fallback", None) is None else f"{kernel.name}->dequantized"
+            kinds[name] += 1
+        if hasattr(module, "gguf_dequantized"):
+            dequantized += 1
+
+    def kind(module: torch.nn.Module) -> str:
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "kernel", None)
+        if kernel is None:
+            return f"float {module.weight.dtype}"
+        layout = "dequantized" if hasattr(module, "gguf_dequantized") else "GGUF blocks"
+        types = "+".join(sorted({s.type_name for s in method.shards}))
+        return f"{types} {layout} ({kernel.name})"
+
+    report = {
+        "weights_GB": total / 1e9, "embedding_GB": embed_bytes / 1e9, "embedding": kind(embed_module),
+        "head_GB": head_bytes / 1e9, "head": "tied to the embedding" if tied else kind(head_module),
+        "read_per_token_GB": read_per_token / 1e9, "kernels": dict(kinds),
+        "layers_dequantized_at_load": dequantized,
+        "scratch_GB": sum(b.numel() * b.element_size() for b in tg._SCRATCH.values()) / 1e9,
+        "torch_allocated_GB": torch.cuda.memory_allocated() / 1e9,
+    }  # fmt: skip
+    if gguf_path is not None:
+        from paphos.loader.gguf_loader import GGUFCheckpoint
+
+        ckpt = GGUFCheckpoint(gguf_path)
+        file_bytes = sum(t.n_bytes for t in ckpt.tensors)
+        report["file_tensor_GB"] = file_bytes / 1e9
+        report["weights_over_file"] = total / file_bytes
+        by_name = {t.name: t.n_bytes for t in ckpt.tensors}
+        report["file_embedding_GB"] = by_name.get("token_embd.weight", 0) / 1e9
+        report["file_head_GB"] = by_name.get("output.weight", by_name.get("token_embd.weight", 0)) / 1e9
+    report["_read_bytes"] = read_per_token
+    return report
+
+
+def _steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"g{time.monotonic_ns()}-{i}", prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        steps.append((time.perf_counter() - t0, len(outputs)))
+    return steps
+
+
+def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
+    args = bench.args
+    vocab = bench.config["vocab_size"]
+    kwargs: dict[str, Any] = dict(
+        tokenizer=str(bench.tokenizer_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
+        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gmu,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    if path is None:
+        llm = LLM(str(args.config), load_format="dummy", **kwargs)
+    else:
+        llm = LLM(str(path), **kwargs)
+    out: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
+    try:
+        mem = _weight_report(llm, path)
+        read_bytes = mem.pop("_read_bytes")
+        out["memory"] = mem
+        bw = bench.results.get("copy_bw")
+        _steps(llm, random_prompts(1, 32, vocab, 1), 8)  # warm-up
+        # batch 1: 128-token prompt, 128 tokens decoded (tg128 of llama-bench, at context 128-256)
+        steps = _steps(llm, random_prompts(1, 128, vocab, 2), 128)
+        tpot = statistics.median(t for t, rows in steps[1:] if rows == 1)
+        out["batch1"] = {
+            "tok_s": 1 / tpot, "step_ms": tpot * 1e3, "GBps": read_bytes / tpot / 1e9,
+            "frac_copy_bw": read_bytes / tpot / bw if bw else None,
+        }  # fmt: skip
+        for batch in (16, 64):
+            steps = _steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
+            decode = [t for t, rows in steps[1:] if rows == batch]
+            out[f"batch{batch}"] = {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
+        times = []
+        for seed in range(4):  # pp512: one 512-token prompt per step (chunk >= 512), best of the last 3
+            steps = _steps(llm, random_prompts(1, 512, vocab, 100 + seed), 1)
+            times.append(steps[0][0])
+        out["pp512"] = {"tok_s": 512 / min(times[1:]), "ms": min(times[1:]) * 1e3}
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    ref = LLAMACPP[kind]
+    out["vs_llamacpp"] = {
+        "tg128_ratio": out["batch1"]["tok_s"] / ref["tg128"] if "batch1" in out else None,
+        "pp512_ratio": out["pp512"]["tok_s"] / ref["pp512"] if ref["pp512"] and "pp512" in out else None,
+    }
+    return out
+
+
+def _gguf_path(bench: Bench, mix: str) -> Path:
+    given = bench.args.q4km if mix == "q4_k_m" else bench.args.q8
+    if given:
+        return Path(given)
+    path = bench.tmp / f"random-llama3-8b-{mix}.gguf"
+    if not path.exists():
+        t0 = time.perf_counter()
+        write_gguf(path, mix)
+        bench.results.setdefault("generate_s", {})[mix] = round(time.perf_counter() - t0, 1)
+    return path
+
+
+def section_q4_k_m(bench: Bench) -> dict[str, Any]:
+    return _run_engine(bench, "q4_k_m", _gguf_path(bench, "q4_k_m"))
+
+
+def section_q8_0(bench: Bench) -> dict[str, Any]:
+    return _run_engine(bench, "q8_0", _gguf_path(bench, "q8_0"))
+
+
+def section_bf16(bench: Bench) -> dict[str, Any]:
+    return _run_engine(bench, "bf16", None)
+
+
+def print_table(results: dict[str, Any]) -> None:
+    rows = [("", "b1 tok/s", "GB/s", "%copy", "b16 tok/s", "b64 tok/s", "pp512", "llama.cpp tg/pp", "weights GB",
+             "file GB")]
+    for kind in ("q4_k_m", "q8_0", "bf16"):
+        r = results.get(kind) or {}
+        if "batch1" not in r:
+            rows.append((kind, r.get("error", "-")[:60], "", "", "", "", "", "", "", ""))
+            continue
+        b1, mem = r["batch1"], r.get("memory", {})
+        frac = b1.get("frac_copy_bw")
+        ref = LLAMACPP[kind]
+        rows.append((
+            kind, f"{b1['tok_s']:.0f}", f"{b1['GBps']:.0f}", f"{100 * frac:.0f}" if frac else "-",
+            f"{r.get('batch16', {}).get('tok_s', 0):.0f}", f"{r.get('batch64', {}).get('tok_s', 0):.0f}",
+            f"{r.get('pp512', {}).get('tok_s', 0):.0f}", f"{ref['tg128']} / {ref['pp512'] or '-'}",
+            f"{mem.get('weights_GB', 0):.2f}", f"{mem.get('file_tensor_GB', 0):.2f}" if "file_tensor_GB" in mem else "-",
+        ))  # fmt: skip
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+    for kind in ("q4_k_m", "q8_0", "bf16"):
+        mem = (results.get(kind) or {}).get("memory")
+        if mem:
+            ratio = f" = {mem['weights_over_file']:.3f} x file" if "weights_over_file" in mem else ""
+            print(f"{kind} weights {mem['weights_GB']:.3f} GB{ratio}: embedding {mem['embedding_GB']:.3f} GB "
+                  f"({mem['embedding']}), head {mem['head_GB']:.3f} GB ({mem['head']})")  # fmt: skip
+    k = results.get("kernels", {})
+    if "max_rel_err" in k:
+        print(f"kernels: max rel err {k['max_rel_err']:.2e} ({'pass' if k['pass'] else 'FAIL'} < 1e-2)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--q4km", help="a Q4_K_M GGUF to use instead of generating one")
+    parser.add_argument("--q8", help="a Q8_0 GGUF to use instead of generating one")
+    parser.add_argument("--tmp", help="directory for the generated files (default: a new temp dir)")
+    parser.add_argument("--gmu", type=float, default=0.85)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of the config sweep")
+    args = parser.parse_args()
+    bench = Bench(args)
+    t_start = time.perf_counter()
+    for name in args.sections.split(","):
+        fn = globals()[f"section_{name}"]
+        t0 = time.perf_counter()
+        try:
+            bench.results[name] = fn(bench)
+        except Exception as e:  # one broken section must not lose the others' figures
+            traceback.print_exc()
+            bench.results[name] = {"error": f"{type(e).__name__}: {e}"}
+            gc.collect()
+            torch.cuda.empty_cache()
+        bench.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        print(f"--- {name} done in {time.perf_counter() - t0:.1f} s (total {time.perf_counter() - t_start:.0f} s): "
+              f"{json.dumps(bench.results[name], default=str)[:800]}", flush=True)  # fmt: skip
+        bench.save()
+    bench.results["tuned_configs"] = {str(k): v.__dict__ for k, v in tg.TUNED_CONFIGS.items()}
+    bench.save()
+    print_table(bench.results)
+
+
+if __name__ == "__main__":
+    main()

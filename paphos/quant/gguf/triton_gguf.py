@@ -1,0 +1,693 @@
+"""Triton kernels for GGUF weights on CUDA: fused dequant x matmul for few tokens per step, and
+dequantize-to-scratch + cuBLAS for long prefill chunks.
+
+Data flow: `select_kernel` (kernels.py) picks `TritonGGUFKernel` for a CUDA layer in bf16/fp16
+whose shards all have a format in `FORMATS` -> `prepare` repacks each run of same-type shards (a
+"segment": q|k of Q4_K and v of Q6_K are two) from the raw blocks into planes (below) and frees the
+raw blocks -> `apply(x)`:
+  - M <= FUSED_MAX_TOKENS rows: `_fused_kernel`, one launch per segment; each program owns BLOCK_N
+    output rows and a slice of K (split-K), reads its packed planes once and accumulates in fp32;
+    M == 1 multiplies and sums on the CUDA cores, 1 < M uses `tl.dot` on the dequantized bf16 tile
+    (M padded to BLOCK_M >= 16 tokens, tensor cores). Split-K programs `atomic_add` into an fp32
+    output that is cast at the end.
+  - embedding lookups (`embed`, a token embedding or a head tied to one): `_gather_kernel`
+    dequantizes the rows of the given ids only, bit-exact (`gather_rows`).
+  - M > FUSED_MAX_TOKENS: `_dequant_kernel` writes the weight (in row chunks of at most
+    SCRATCH_ELEMS values) into one scratch buffer shared by all layers, then `F.linear` (cuBLAS).
+    Why not a fused tensor-core GEMM here: at hundreds of tokens the GEMM is compute-bound, the
+    dequantization (read 0.5-1 B + write 2 B per value, ~0.1 ms for a 4096 x 14336 weight) is a few
+    percent of it, and cuBLAS is a better GEMM than a Triton one carrying dequantization in its
+    inner loop; the crossover is measured by benchmarks/bench_gguf_gpu.py (`crossover`).
+
+Planes (the repacked layout; codes in natural value order along K, every plane row-major [N, ...]):
+  lo    the low LO bits of each code: int32 words of 32/LO codes (code i of a word at bits LO*i),
+        or int8 codes themselves when LO == 8 (Q8_0)
+  hi    the HI high bits (HI = 1 or 2) as int32 words, placed above lo: code = lo | hi << LO
+  sc    per group of SG values: the fp16 scale d (SCALE 0), or an int8 (SCALE 1) / uint8 (SCALE 2)
+        integer scale multiplied by the per-256 fp16 super-scale `sd`; Q2_K packs scale (low
+        nibble) and min (high nibble) in this byte (SCMIN_NIB)
+  mn    per group: fp16 min added (MINK 1: Q4_1, Q5_1), or uint8 min times the per-256 fp16 `smin`,
+        subtracted (MINK 2: K-quants)
+  value = scale * (code - OFF) [+/- min], or scale * IQ4_KVALUES[code] for IQ4 (LUT).
+The bytes are the file's, rearranged: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q3_K, Q2_K, IQ4_NL the
+same; Q4_K and Q5_K +4 bytes per 256 values (their 6-bit scales/mins unpacked to bytes: +2.8% /
++2.3%); IQ4_XS +2 (+1.5%). The torch reference of every kernel is `dequantize` (dequant.py) then
+a float32 matmul (`reference_matmul`), what the tests and the GPU benchmark compare against.
+Types without a format here (Q8_K, IQ1-3, TQ*, MXFP4, float types) are dequantized at load.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paphos.quant.gguf.blocks import bits, nibbles, u16, u32
+from paphos.quant.gguf.dequant import IQ4_KVALUES, _k_scale_min, _q4_k_values, dequantize
+
+if TYPE_CHECKING:
+    from paphos.quant.gguf.kernels import GGUFShard
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the other kernels of kernels.py serve
+    triton = None
+
+logger = logging.getLogger(__name__)
+
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one GGUF type's planes are laid out and decoded (see the module docstring)."""
+
+    lo: int  # bits of the low code plane: 2, 4, or 8 (int8 codes)
+    hi: int = 0  # bits of the high code plane: 0, 1 or 2
+    off: int = 0  # value = scale * (code - off)
+    sg: int = 32  # values per scale group
+    scale: int = 0  # 0: fp16 per group; 1: int8 x sd; 2: uint8 x sd
+    mink: int = 0  # 0: none; 1: + fp16 per group; 2: - uint8 x smin
+    lut: bool = False  # IQ4 non-linear levels
+    scmin_nib: bool = False  # Q2_K: scale and min nibbles share the sc byte
+    block: int = 32  # values per GGUF block (K must be a multiple)
+
+
+FORMATS: dict[str, Format] = {
+    "Q8_0": Format(lo=8),
+    "Q4_0": Format(lo=4, off=8),
+    "Q4_1": Format(lo=4, mink=1),
+    "Q5_0": Format(lo=4, hi=1, off=16),
+    "Q5_1": Format(lo=4, hi=1, mink=1),
+    "IQ4_NL": Format(lo=4, lut=True),
+    "Q4_K": Format(lo=4, scale=2, mink=2, block=QK_K),
+    "Q5_K": Format(lo=4, hi=1, scale=2, mink=2, block=QK_K),
+    "Q6_K": Format(lo=4, hi=2, off=32, sg=16, scale=1, block=QK_K),
+    "IQ4_XS": Format(lo=4, lut=True, scale=1, block=QK_K),
+    "Q3_K": Format(lo=2, hi=1, off=4, sg=16, scale=1, block=QK_K),
+    "Q2_K": Format(lo=2, sg=16, scale=2, mink=2, scmin_nib=True, block=QK_K),
+}
+
+PLANES = ("lo", "hi", "sc", "sd", "mn", "smin")
+
+
+# ---------------------------------------------------------------------------- repacking (torch)
+
+
+def _pack(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """int codes [R, K] (each < 2^width) -> int32 words [R, K * width / 32], code i of a word at
+    bits width * i."""
+    per = 32 // width
+    r = codes.shape[0]
+    shifts = torch.arange(0, 32, width, device=codes.device, dtype=torch.int64)
+    words = (codes.reshape(r, -1, per).to(torch.int64) << shifts).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    return b[:, at : at + 2].contiguous().view(torch.float16)[:, 0]
+
+
+def _codes_and_scales(b: torch.Tensor, type_name: str) -> dict[str, torch.Tensor]:
+    """Blocks [n, type_size] of one type -> per-block planes: 'q' codes int32 [n, values]
+    (natural order, lo | hi << LO), 'sc' [n, groups], 'sd' [n], 'mn' [n, groups], 'smin' [n]."""
+    n = b.shape[0]
+    if type_name == "Q8_0":
+        return {"q": b[:, 2:].contiguous().view(torch.int8), "sc": _f16(b, 0)[:, None]}
+    if type_name in ("Q4_0", "IQ4_NL"):
+        return {"q": nibbles(b[:, 2:]), "sc": _f16(b, 0)[:, None]}
+    if type_name == "Q4_1":
+        return {"q": nibbles(b[:, 4:]), "sc": _f16(b, 0)[:, None], "mn": _f16(b, 2)[:, None]}
+    if type_name in ("Q5_0", "Q5_1"):
+        at = 2 if type_name == "Q5_0" else 4
+        high = bits(u32(b[:, at : at + 4])[:, 0], 1, 32).to(torch.int32)
+        out = {"q": nibbles(b[:, at + 4 :]) | (high << 4), "sc": _f16(b, 0)[:, None]}
+        if type_name == "Q5_1":
+            out["mn"] = _f16(b, 2)[:, None]
+        return out
+    if type_name in ("Q4_K", "Q5_K"):
+        sc, mn = _k_scale_min(b[:, 4:16])
+        if type_name == "Q4_K":
+            q = _q4_k_values(b[:, 16:])
+        else:
+            q = _q4_k_values(b[:, 48:]) | (bits(b[:, 16:48], 1, 8).transpose(1, 2) << 4)
+        return {
+            "q": q.reshape(n, QK_K), "sc": sc.to(torch.uint8), "mn": mn.to(torch.uint8),
+            "sd": _f16(b, 0), "smin": _f16(b, 2),
+        }  # fmt: skip
+    if type_name == "Q6_K":
+        ql = nibbles(b[:, :128].reshape(n, 2, 64)).reshape(n, QK_K)
+        qh = bits(b[:, 128:192].reshape(n, 2, 32), 2, 4).permute(0, 1, 3, 2).reshape(n, QK_K)
+        return {"q": ql | (qh << 4), "sc": b[:, 192:208].contiguous().view(torch.int8), "sd": _f16(b, 208)}
+    if type_name == "IQ4_XS":
+        high = bits(u16(b[:, 2:4])[:, 0], 2, 8)
+        low = bits(b[:, 4:8], 4, 2).reshape(n, 8)
+        q = nibbles(b[:, 8:].reshape(n, 8, 16)).reshape(n, QK_K)
+        return {"q": q, "sc": ((low | (high << 4)) - 32).to(torch.int8), "sd": _f16(b, 0)}
+    if type_name == "Q3_K":
+        hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108].to(torch.int32)
+        low = torch.cat([packed[:, :8] & 0xF, packed[:, :8] >> 4], dim=1)
+        high = bits(packed[:, 8:12], 2, 4).transpose(1, 2).reshape(n, 16)
+        ql = bits(qs.reshape(n, 2, 32), 2, 4).permute(0, 1, 3, 2).reshape(n, QK_K)
+        qh = bits(hmask, 1, 8).transpose(1, 2).reshape(n, QK_K)
+        return {"q": ql | (qh << 2), "sc": ((low | (high << 4)) - 32).to(torch.int8), "sd": _f16(b, 108)}
+    if type_name == "Q2_K":
+        q = bits(b[:, 16:80].reshape(n, 2, 32), 2, 4).transpose(-1, -2).reshape(n, QK_K)
+        return {"q": q, "sc": b[:, :16].contiguous(), "sd": _f16(b, 80), "smin": _f16(b, 82)}
+    raise ValueError(f"no Triton format for GGUF type {type_name}")
+
+
+def repack(raw: torch.Tensor, type_name: str, chunk_rows: int = 4096) -> dict[str, torch.Tensor]:
+    """Raw blocks [rows, row_bytes] of `type_name` -> the planes of its `Format` (module
+    docstring), on raw's device; converted `chunk_rows` rows at a time to bound temporaries."""
+    fmt = FORMATS[type_name]
+    rows = raw.shape[0]
+    parts: dict[str, list[torch.Tensor]] = {}
+    for r0 in range(0, rows, chunk_rows):
+        chunk = raw[r0 : r0 + chunk_rows]
+        r = chunk.shape[0]
+        fields = _codes_and_scales(chunk.reshape(-1, _type_size(type_name)), type_name)
+        q = fields["q"].reshape(r, -1)
+        planes = {}
+        if fmt.lo == 8:
+            planes["lo"] = q.to(torch.int8)
+        else:
+            planes["lo"] = _pack(q & ((1 << fmt.lo) - 1), fmt.lo)
+        if fmt.hi:
+            planes["hi"] = _pack(q >> fmt.lo, fmt.hi)
+        for name in ("sc", "sd", "mn", "smin"):
+            if name in fields:
+                planes[name] = fields[name].reshape(r, -1).contiguous()
+        for name, t in planes.items():
+            parts.setdefault(name, []).append(t)
+    return {name: torch.cat(ts) for name, ts in parts.items()}
+
+
+def _type_size(type_name: str) -> int:
+    from paphos.quant.gguf.dequant import _TYPES
+
+    return _TYPES[type_name][1]
+
+
+def reference_matmul(raw: torch.Tensor, type_name: str, x: torch.Tensor) -> torch.Tensor:
+    """The torch reference of the kernels: dequantize (dequant.py, bit-exact vs gguf) then a
+    float32 matmul; x [M, K] -> fp32 [M, rows]."""
+    return x.float() @ dequantize(raw, type_name).t()
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _expand(t, BN: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
+        """[BN, BK / G] -> [BN, BK], each value repeated over its group of G."""
+        return tl.reshape(tl.broadcast_to(t[:, :, None], (BN, BK // G, G)), (BN, BK))
+
+    @triton.jit
+    def _unpack(words, BN: tl.constexpr, BK: tl.constexpr, WIDTH: tl.constexpr):
+        """int32 words [BN, BK * WIDTH / 32] -> codes [BN, BK] (code i of a word at bits WIDTH*i)."""
+        PER: tl.constexpr = 32 // WIDTH
+        shifts = tl.arange(0, PER) * WIDTH
+        v = (words[:, :, None] >> shifts[None, None, :]) & ((1 << WIDTH) - 1)
+        return tl.reshape(v, (BN, BK))
+
+    @triton.jit
+    def _dequant_tile(
+        lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
+        LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
+        MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        """fp32 weights [BN, BK] of rows `rows`, values k0 .. k0 + BK."""
+        r = rows.to(tl.int64)[:, None]
+        m2 = row_mask[:, None]
+        if LO == 8:
+            kk = k0 + tl.arange(0, BK)
+            q = tl.load(lo_ptr + r * K + kk[None, :], mask=m2, other=0).to(tl.int32)
+        else:
+            NW: tl.constexpr = BK * LO // 32
+            wi = k0 * LO // 32 + tl.arange(0, NW)
+            words = tl.load(lo_ptr + r * (K * LO // 32) + wi[None, :], mask=m2, other=0)
+            q = _unpack(words, BN, BK, LO)
+        if HI > 0:
+            NH: tl.constexpr = BK * HI // 32
+            hi_i = k0 * HI // 32 + tl.arange(0, NH)
+            hw = tl.load(hi_ptr + r * (K * HI // 32) + hi_i[None, :], mask=m2, other=0)
+            q = q | (_unpack(hw, BN, BK, HI) << LO)
+        if LUT:
+            v = tl.load(lut_ptr + q)
+        else:
+            v = (q - OFF).to(tl.float32)
+        NG: tl.constexpr = BK // SG
+        gi = k0 // SG + tl.arange(0, NG)
+        sc = tl.load(sc_ptr + r * (K // SG) + gi[None, :], mask=m2, other=0)
+        if SCMIN_NIB:
+            sc_int = sc.to(tl.int32) & 15
+        else:
+            sc_int = sc
+        if SCALE == 0:
+            s = sc_int.to(tl.float32)
+        else:
+            si = gi // (256 // SG)
+            sd = tl.load(sd_ptr + r * (K // 256) + si[None, :], mask=m2, other=0).to(tl.float32)
+            s = sd * sc_int.to(tl.float32)
+        w = v * _expand(s, BN, SG, BK)
+        if MINK == 1:
+            mn = tl.load(mn_ptr + r * (K // SG) + gi[None, :], mask=m2, other=0).to(tl.float32)
+            w = w + _expand(mn, BN, SG, BK)
+        elif MINK == 2:
+            si2 = gi // (256 // SG)
+            smin = tl.load(smin_ptr + r * (K // 256) + si2[None, :], mask=m2, other=0).to(tl.float32)
+            if SCMIN_NIB:
+                mq = (sc.to(tl.int32) >> 4).to(tl.float32)
+            else:
+                mq = tl.load(mn_ptr + r * (K // SG) + gi[None, :], mask=m2, other=0).to(tl.float32)
+            w = w - _expand(smin * mq, BN, SG, BK)
+        return w
+
+    @triton.jit
+    def _fused_kernel(
+        x_ptr, out_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr,
+        M, N, K, stride_xm, stride_om, iters_per_split,
+        LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
+        MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        rows = pid_n * BN + tl.arange(0, BN)
+        row_mask = rows < N
+        n_iters = K // BK
+        it0 = pid_k * iters_per_split
+        it1 = tl.minimum(it0 + iters_per_split, n_iters)
+        kr = tl.arange(0, BK)
+        if BM == 1:
+            acc2 = tl.zeros((BN, BK), dtype=tl.float32)
+            x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+            for it in range(it0, it1):
+                k0 = it * BK
+                w = _dequant_tile(
+                    lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
+                    LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+                )  # fmt: skip
+                x = tl.load(x_row + k0 + kr).to(tl.float32)
+                acc2 += w * x[None, :]
+            acc = tl.sum(acc2, axis=1)
+            o = out_ptr + pid_m.to(tl.int64) * stride_om + rows
+            if ATOMIC:
+                tl.atomic_add(o, acc, mask=row_mask, sem="relaxed")
+            else:
+                tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+        else:
+            ms = pid_m * BM + tl.arange(0, BM)
+            m_mask = ms < M
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
+            for it in range(it0, it1):
+                k0 = it * BK
+                w = _dequant_tile(
+                    lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
+                    LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+                )  # fmt: skip
+                x = tl.load(x_rows + (k0 + kr)[None, :], mask=m_mask[:, None], other=0.0)
+                if DOT_F32:
+                    acc = tl.dot(x.to(tl.float32), tl.trans(w), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            o = out_ptr + ms.to(tl.int64)[:, None] * stride_om + rows[None, :]
+            mask = m_mask[:, None] & row_mask[None, :]
+            if ATOMIC:
+                tl.atomic_add(o, acc, mask=mask, sem="relaxed")
+            else:
+                tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _dequant_kernel(
+        out_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, row0, row_end, K, stride_o,
+        LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
+        MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        rows = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
+        row_mask = rows < row_end
+        k0 = tl.program_id(1) * BK
+        w = _dequant_tile(
+            lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
+            LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+        )  # fmt: skip
+        o = out_ptr + (rows - row0).to(tl.int64)[:, None] * stride_o + (k0 + tl.arange(0, BK))[None, :]
+        tl.store(o, w.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+    @triton.jit
+    def _gather_kernel(
+        out_ptr, ids_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, T, K, stride_o,
+        LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
+        MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):  # fmt: skip
+        """out[t] = row ids[t] of the segment, dequantized (the embedding lookup)."""
+        t = tl.program_id(0) * BN + tl.arange(0, BN)
+        t_mask = t < T
+        rows = tl.load(ids_ptr + t, mask=t_mask, other=0)
+        k0 = tl.program_id(1) * BK
+        w = _dequant_tile(
+            lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, t_mask, k0, K,
+            LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+        )  # fmt: skip
+        o = out_ptr + t.to(tl.int64)[:, None] * stride_o + (k0 + tl.arange(0, BK))[None, :]
+        tl.store(o, w.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
+
+
+# ---------------------------------------------------------------------------- launch configuration
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    block_m: int = 1  # 1: CUDA-core GEMV (M == 1 only); >= 16: tl.dot tiles of BLOCK_M tokens
+
+
+# (type, N, K, token bucket) -> config, filled by the benchmark's sweep or by hand; buckets are
+# 1, 16, 32, 64, 128 (the smallest >= M).
+TUNED_CONFIGS: dict[tuple[str, int, int, int], KernelConfig] = {}
+M_BUCKETS = (1, 16, 32, 64, 128)
+# Up to this many tokens per step the fused kernel runs; above, dequantize + cuBLAS.
+FUSED_MAX_TOKENS = 64
+# Largest number of values dequantized into the shared scratch buffer at once.
+SCRATCH_ELEMS = 128 << 20
+NUM_SMS_GUESS = 132
+
+
+def m_bucket(m: int) -> int:
+    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
+
+
+def _fit_block_k(block_k: int, k: int, fmt: Format) -> int:
+    """The largest power of two <= block_k dividing K (K is a multiple of 32: every GGUF block)."""
+    while block_k > 32 and k % block_k:
+        block_k //= 2
+    return block_k
+
+
+def default_config(type_name: str, n: int, k: int, m: int) -> KernelConfig:
+    """A launch configuration by rule (overridden by TUNED_CONFIGS): enough programs to fill the
+    GPU several times over, each reading a few KiB of weights per iteration."""
+    fmt = FORMATS[type_name]
+    bm = 1 if m == 1 else max(16, _next_pow2(m))
+    bn, bk = (16, 256) if m == 1 else ((32 if bm <= 32 else 64), 128)
+    bk = _fit_block_k(bk, k, fmt)
+    n_iters = k // bk
+    programs = math.ceil(n / bn)
+    split = 1
+    while programs * split < 4 * NUM_SMS_GUESS and n_iters // (split * 2) >= 4:
+        split *= 2
+    return KernelConfig(bn, bk, split, 4, 2, bm)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def config_for(type_name: str, n: int, k: int, m: int) -> KernelConfig:
+    cfg = TUNED_CONFIGS.get((type_name, n, k, m_bucket(m))) or default_config(type_name, n, k, m)
+    if m > 1 and cfg.block_m == 1:
+        cfg = KernelConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages, 16)
+    return cfg
+
+
+_DUMMY: dict[torch.device, torch.Tensor] = {}
+_LUT: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    if device not in _DUMMY:
+        _DUMMY[device] = torch.zeros(16, dtype=torch.int32, device=device)
+    return _DUMMY[device]
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUT:
+        _LUT[device] = torch.tensor(IQ4_KVALUES, dtype=torch.float32, device=device)
+    return _LUT[device]
+
+
+@dataclass
+class Segment:
+    """Consecutive shards of one type: output rows [row_start, row_start + rows), repacked."""
+
+    type_name: str
+    row_start: int
+    rows: int
+    k: int
+    planes: dict[str, torch.Tensor]
+
+    @property
+    def fmt(self) -> Format:
+        return FORMATS[self.type_name]
+
+    def pointers(self) -> list[torch.Tensor]:
+        dev = self.planes["lo"].device
+        ptrs = [self.planes.get(p, _dummy(dev)) for p in PLANES]
+        return [*ptrs, _lut(dev)]
+
+    def constexprs(self) -> dict[str, object]:
+        f = self.fmt
+        return {
+            "LO": f.lo, "HI": f.hi, "OFF": f.off, "SG": f.sg, "SCALE": f.scale, "MINK": f.mink,
+            "LUT": f.lut, "SCMIN_NIB": f.scmin_nib,
+        }  # fmt: skip
+
+    def n_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.planes.values())
+
+
+def make_segments(weight: torch.Tensor, shards: tuple[GGUFShard, ...], k: int) -> list[Segment]:
+    """Repack the raw blocks of `shards` (in the flat uint8 `weight`) into one Segment per run of
+    same-type shards."""
+    from paphos.quant.gguf.kernels import raw_shard
+
+    segments: list[Segment] = []
+    i = 0
+    while i < len(shards):
+        j = i
+        while j + 1 < len(shards) and shards[j + 1].type_name == shards[i].type_name:
+            j += 1
+        run = shards[i : j + 1]
+        parts = [repack(raw_shard(weight, s), s.type_name) for s in run]
+        planes = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        segments.append(Segment(run[0].type_name, run[0].row_start, sum(s.rows for s in run), k, planes))
+        i = j + 1
+    return segments
+
+
+def fused_matmul(
+    x: torch.Tensor, segments: list[Segment], n_total: int, configs: list[KernelConfig] | None = None
+) -> torch.Tensor:
+    """x [M, K] (contiguous) -> [M, n_total] in x's dtype with the fused kernel, one launch per
+    segment; `configs` (one per segment) overrides `config_for`."""
+    m, k = x.shape
+    cfgs = configs or [config_for(s.type_name, s.rows, k, m) for s in segments]
+    atomic = any(c.split_k > 1 for c in cfgs)
+    out = (torch.zeros if atomic else torch.empty)(m, n_total, dtype=torch.float32 if atomic else x.dtype,
+                                                   device=x.device)  # fmt: skip
+    for seg, cfg in zip(segments, cfgs, strict=True):
+        bk = _fit_block_k(cfg.block_k, k, seg.fmt)
+        n_iters = k // bk
+        per_split = math.ceil(n_iters / cfg.split_k)
+        splits = math.ceil(n_iters / per_split)
+        bm = 1 if m == 1 and cfg.block_m == 1 else max(16, cfg.block_m)
+        grid = (triton.cdiv(seg.rows, cfg.block_n), splits, m if bm == 1 else triton.cdiv(m, bm))
+        _fused_kernel[grid](
+            x, out[:, seg.row_start :], *seg.pointers(), m, seg.rows, k, x.stride(0), out.stride(0), per_split,
+            **seg.constexprs(), BM=bm, BN=cfg.block_n, BK=bk, ATOMIC=splits > 1, DOT_F32=_dot_fp32(x),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out.to(x.dtype) if atomic else out
+
+
+def dequant_into(seg: Segment, row0: int, row_end: int, dst: torch.Tensor, block_n: int = 32) -> None:
+    """Rows [row0, row_end) of a segment, dequantized into dst [row_end - row0, K] (row stride
+    dst.stride(0), dst's dtype)."""
+    bk = _fit_block_k(256, seg.k, seg.fmt)
+    grid = (triton.cdiv(row_end - row0, block_n), seg.k // bk)
+    _dequant_kernel[grid](
+        dst, *seg.pointers(), row0, row_end, seg.k, dst.stride(0), **seg.constexprs(), BN=block_n, BK=bk,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def gather_rows(seg: Segment, ids: torch.Tensor, dst: torch.Tensor, block_n: int = 16) -> None:
+    """Rows `ids` (int [T], on the device) of a segment, dequantized into dst [T, K] (dst's dtype):
+    the embedding lookup. Bit-exact against `dequantize` (then the same cast): the fp32 operations
+    are the reference's, in its order, and compiled without mul+add fusion (an FMA would round
+    once where the reference rounds twice). One launch, shapes fixed by T: CUDA-graph safe."""
+    t = ids.numel()
+    if t == 0:
+        return
+    if dst.device.type != "cuda" and dst.dtype != torch.float32:
+        # The interpreter truncates fp32 -> bf16 stores; CUDA rounds to nearest even, as torch.
+        full = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)
+        gather_rows(seg, ids, full, block_n)
+        dst.copy_(full)
+        return
+    bk = _fit_block_k(256, seg.k, seg.fmt)
+    grid = (triton.cdiv(t, block_n), seg.k // bk)
+    _gather_kernel[grid](
+        dst, ids, *seg.pointers(), t, seg.k, dst.stride(0), **seg.constexprs(), BN=block_n, BK=bk,
+        num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def _dot_fp32(x: torch.Tensor) -> bool:
+    """Feed tl.dot fp32 off the GPU (TRITON_INTERPRET=1): the interpreter keeps bf16 as raw
+    uint16 bits and its dot multiplies those integers (see triton_attention._dot_fp32)."""
+    return x.device.type != "cuda" and x.dtype == torch.bfloat16
+
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def scratch(device: torch.device, dtype: torch.dtype, elems: int) -> torch.Tensor:
+    """The shared dequantization buffer (grown to the largest request, at most SCRATCH_ELEMS)."""
+    key = (device, dtype)
+    elems = min(elems, SCRATCH_ELEMS)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < elems:
+        _SCRATCH[key] = buf = torch.empty(elems, dtype=dtype, device=device)
+    return buf
+
+
+def dequant_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
+    """x [M, K] -> [M, n_total]: dequantize into the scratch buffer (in row chunks), cuBLAS GEMM."""
+    m, k = x.shape
+    buf = scratch(x.device, x.dtype, n_total * k)
+    chunk = max(1, buf.numel() // k)
+    if n_total <= chunk:
+        w = buf[: n_total * k].view(n_total, k)
+        for seg in segments:
+            dequant_into(seg, 0, seg.rows, w[seg.row_start : seg.row_start + seg.rows])
+        return F.linear(x, w)
+    out = torch.empty(m, n_total, dtype=x.dtype, device=x.device)
+    for a in range(0, n_total, chunk):
+        b = min(n_total, a + chunk)
+        w = buf[: (b - a) * k].view(b - a, k)
+        for seg in segments:
+            lo, hi = max(a, seg.row_start), min(b, seg.row_start + seg.rows)
+            if lo < hi:
+                dequant_into(seg, lo - seg.row_start, hi - seg.row_start, w[lo - a : hi - a])
+        out[:, a:b] = F.linear(x, w)
+    return out
+
+
+# ---------------------------------------------------------------------------- the GGUFKernel
+
+
+_VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}
+
+
+def _self_check(seg: Segment, dtype: torch.dtype) -> bool:
+    """Once per (type, device, dtype): the kernels on the first rows of a real layer against the
+    torch reference (M = 1, 16 and the dequant path). False (logged) if they fail to compile or
+    disagree, and then the layer falls back to dequantize-at-load."""
+    key = (seg.type_name, str(seg.planes["lo"].device), dtype)
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    ok = True
+    try:
+        rows = min(seg.rows, 64)
+        sub = Segment(seg.type_name, 0, rows, seg.k, {n: t[:rows] for n, t in seg.planes.items()})
+        dev = seg.planes["lo"].device
+        w = torch.empty(rows, seg.k, dtype=torch.float32, device=dev)
+        dequant_into(sub, 0, rows, w)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for m in (1, 5, 16):
+            x = torch.randn(m, seg.k, device=dev, generator=gen).to(dtype)
+            ref = x.float() @ w.t()
+            got = fused_matmul(x, [sub], rows).float()
+            err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            if not err <= 1e-2:
+                logger.warning("GGUF %s Triton kernel: relative error %.3g at M=%d", seg.type_name, err, m)
+                ok = False
+    except Exception as e:  # noqa: BLE001 (any compile/launch failure -> the safe fallback)
+        logger.warning(
+            "GGUF %s Triton kernel failed its self-check (%s); dequantizing at load", seg.type_name, e
+        )
+        ok = False
+    _VERIFIED[key] = ok
+    return ok
+
+
+class TritonGGUFKernel:
+    """CUDA, bf16/fp16 activations, every shard of a type in `FORMATS`: fused dequant x matmul up
+    to FUSED_MAX_TOKENS tokens, dequantize-to-scratch + cuBLAS above (module docstring)."""
+
+    name: ClassVar[str] = "triton-gguf"
+
+    def __init__(self, matmul: bool = True) -> None:
+        # False: the layer only serves row lookups (an untied embedding): no scratch buffer.
+        self.matmul = matmul
+
+    @classmethod
+    def can_implement(cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> bool:
+        return (
+            triton is not None
+            and device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16)
+            and all(s.type_name in FORMATS for s in shards)
+        )
+
+    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
+        from paphos.quant.gguf.kernels import DequantizedAtLoadKernel, _drop_raw
+
+        k = self._in_features(shards)
+        self.dtype = dtype
+        self.n_total = sum(s.rows for s in shards)
+        self.segments = make_segments(layer.weight, shards, k)
+        self.fallback: DequantizedAtLoadKernel | None = None
+        if not all(_self_check(s, dtype) for s in self.segments):
+            self.segments = []
+            self.fallback = DequantizedAtLoadKernel()
+            self.fallback.prepare(layer, shards, dtype)
+            return
+        for i, seg in enumerate(self.segments):
+            for name, t in seg.planes.items():
+                layer.register_buffer(f"gguf_{i}_{name}", t, persistent=False)
+        if self.matmul:
+            # Size the shared scratch buffer now (before KV-cache sizing and CUDA-graph capture).
+            scratch(layer.weight.device, dtype, self.n_total * k)
+        _drop_raw(layer)
+
+    @staticmethod
+    def _in_features(shards: tuple[GGUFShard, ...]) -> int:
+        s = shards[0]
+        fmt = FORMATS[s.type_name]
+        return s.row_bytes // _type_size(s.type_name) * fmt.block
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is not None:
+            return self.fallback.apply(layer, x)
+        x = x.contiguous()
+        if x.shape[0] <= FUSED_MAX_TOKENS:
+            return fused_matmul(x, self.segments, self.n_total)
+        return dequant_matmul(x, self.segments, self.n_total)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a one-segment weight (an embedding), dequantized: [*ids.shape, K]."""
+        if self.fallback is not None:
+            return self.fallback.embed(layer, ids)
+        if len(self.segments) != 1:
+            raise ValueError("row lookups need a weight of one GGUF type")
+        seg = self.segments[0]
+        flat = ids.reshape(-1).contiguous()
+        out = torch.empty(flat.numel(), seg.k, dtype=self.dtype, device=flat.device)
+        gather_rows(seg, flat, out)
+        return out.view(*ids.shape, seg.k)

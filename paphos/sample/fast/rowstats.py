@@ -1,0 +1,22 @@
+"""Row max, first argmax and logsumexp of raw logits in one read (Triton on CUDA).
+
+The sampler needs the raw distribution's normaliser for every row (sampled logprobs) and the
+argmax for greedy rows; torch's logsumexp alone reads the row several times and `.float()` copies
+it. The kernel reads each row once in its own dtype, online: per block, the block max rescales
+the running sum of exp. Torch formulation (CPU, and the tests' reference): amax, argmax,
+logsumexp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paphos.sample.fast import kernels
+
+
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 max [R], int64 first argmax [R], float32 logsumexp [R]."""
+    if kernels.use_kernels(logits):
+        return kernels.row_stats(logits)
+    raw = logits.float()
+    return raw.amax(dim=-1), raw.argmax(dim=-1), raw.logsumexp(dim=-1)

@@ -1,0 +1,169 @@
+"""The Triton GGUF kernels (paphos/quant/gguf/triton_gguf.py) under the Triton interpreter, against
+the torch reference (dequant.py, bit-exact vs gguf, then a float32 matmul): the repacked planes
+dequantize exactly, and the fused / dequantize+GEMM paths are within 1e-2 relative for M = 1,
+a few tokens, and more than FUSED_MAX_TOKENS, odd N, split-K, and merged shards of mixed types.
+
+TRITON_INTERPRET is read when a kernel is decorated, so the module is (re)imported interpreted
+here, also on a GPU machine, and re-imported compiled afterwards (as tests/attention/triton does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+triton = pytest.importorskip("triton")
+if not hasattr(triton, "jit"):
+    pytest.skip("no usable triton", allow_module_level=True)
+
+from paphos.quant.gguf.dequant import dequantize  # noqa: E402
+from paphos.quant.gguf.kernels import GGUFShard  # noqa: E402
+from tests.quant.gguf_blocks import random_blocks, weight_scale  # noqa: E402
+
+_MODULE = "paphos.quant.gguf.triton_gguf"
+
+
+def _reimport(interpret: bool) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = sys.modules.get(_MODULE) or importlib.import_module(_MODULE)
+        if isinstance(module._fused_kernel, InterpretedFunction) != interpret:
+            importlib.reload(module)  # rebinds the kernel globals in place
+            return True
+        return False
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+@pytest.fixture(scope="module")
+def tg() -> Iterator[object]:
+    was_compiled = _reimport(interpret=True)
+    yield sys.modules[_MODULE]
+    if was_compiled:
+        _reimport(interpret=False)
+
+
+PRIORITY = ("Q4_K", "Q6_K", "Q8_0")
+OTHERS = ("Q5_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+K = 512
+N = 37  # odd: masked rows
+
+
+def _raw(type_name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(random_blocks(type_name, rows, cols, rng, weight_scale(type_name)))
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("type_name", PRIORITY + OTHERS)
+def test_repacked_planes_dequantize_exactly(tg, type_name: str) -> None:  # noqa: ANN001
+    raw = _raw(type_name, N, K, 1)
+    planes = tg.repack(raw, type_name)
+    seg = tg.Segment(type_name, 0, N, K, planes)
+    size = sum(t.numel() * t.element_size() for t in planes.values())
+    assert size <= raw.numel() * 1.05  # repacking keeps memory within 5% of the file's bytes
+    out = torch.full((N, K), float("nan"))
+    tg.dequant_into(seg, 0, N, out)
+    assert torch.equal(out, dequantize(raw, type_name))
+    # A row range (the chunked prefill path) lands at the top of its destination.
+    part = torch.full((9, K), float("nan"))
+    tg.dequant_into(seg, 20, 29, part)
+    assert torch.equal(part, dequantize(raw[20:29], type_name))
+
+
+@pytest.mark.parametrize("type_name", PRIORITY + OTHERS)
+def test_fused_kernel_matches_reference(tg, type_name: str) -> None:  # noqa: ANN001
+    raw = _raw(type_name, N, K, 2)
+    seg = tg.Segment(type_name, 0, N, K, tg.repack(raw, type_name))
+    gen = torch.Generator().manual_seed(0)
+    tokens = (1, 3, 17) if type_name in PRIORITY else (1, 17)
+    for m in tokens:
+        x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+        ref = tg.reference_matmul(raw, type_name, x)
+        bm = 1 if m == 1 else 16
+        configs = [tg.KernelConfig(16, 256, 1, 4, 2, bm), tg.KernelConfig(32, 128, 2, 4, 2, bm)]
+        if m > 1 and type_name in PRIORITY:
+            configs.append(tg.KernelConfig(16, 64, 4, 4, 2, 32))
+        for cfg in configs:
+            got = tg.fused_matmul(x, [seg], N, [cfg])
+            assert got.dtype == torch.bfloat16 and got.shape == (m, N)
+            assert _rel(got, ref) < 1e-2, (type_name, m, cfg)
+
+
+def _merged_layer(tg, types: tuple[str, ...], rows: tuple[int, ...]) -> tuple[nn.Module, tuple, torch.Tensor]:  # noqa: ANN001
+    raws = [_raw(t, r, K, 10 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
+    shards, row, offset = [], 0, 0
+    for i, (t, raw) in enumerate(zip(types, raws, strict=True)):
+        shards.append(GGUFShard(f"s{i}", t, raw.shape[0], raw.shape[1], row, offset))
+        row, offset = row + raw.shape[0], offset + raw.numel()
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.cat([r.reshape(-1) for r in raws]), requires_grad=False)
+    w = torch.cat([dequantize(r, t) for r, t in zip(raws, types, strict=True)])
+    return layer, tuple(shards), w
+
+
+def test_merged_shards_of_mixed_types(tg, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    # q|k Q4_K and v Q6_K (a Q4_K_M attention layer), odd-sized tail shard of Q8_0.
+    layer, shards, w = _merged_layer(tg, ("Q4_K", "Q4_K", "Q6_K", "Q8_0"), (32, 16, 16, 7))
+    kernel = tg.TritonGGUFKernel()
+    kernel.prepare(layer, shards, torch.bfloat16)
+    assert kernel.fallback is None and [s.type_name for s in kernel.segments] == ["Q4_K", "Q6_K", "Q8_0"]
+    assert layer.weight.numel() == 0  # the raw blocks are freed; the planes are buffers
+    assert sum(b.numel() * b.element_size() for b in layer.buffers()) <= 1.05 * sum(s.n_bytes for s in shards)
+    gen = torch.Generator().manual_seed(3)
+    # 1 and 5 tokens: fused kernel; FUSED_MAX_TOKENS + 3: dequantize + GEMM, then in row chunks.
+    for m in (1, 5, tg.FUSED_MAX_TOKENS + 3):
+        x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+        ref = x.float() @ w.t()
+        assert _rel(kernel.apply(layer, x), ref) < 1e-2, m
+    monkeypatch.setattr(tg, "SCRATCH_ELEMS", 20 * K)  # 20-row chunks straddle the segments
+    tg._SCRATCH.clear()
+    x = torch.randn(tg.FUSED_MAX_TOKENS + 1, K, generator=gen).to(torch.bfloat16)
+    assert _rel(kernel.apply(layer, x), x.float() @ w.t()) < 1e-2
+    tg._SCRATCH.clear()
+
+
+def test_self_check_failure_falls_back_to_dequantize_at_load(tg, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    layer, shards, w = _merged_layer(tg, ("Q5_0",), (16,))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("does not compile")
+
+    monkeypatch.setattr(tg, "fused_matmul", broken)
+    monkeypatch.setattr(tg, "_VERIFIED", {})
+    kernel = tg.TritonGGUFKernel()
+    kernel.prepare(layer, shards, torch.float32)
+    assert kernel.fallback is not None
+    x = torch.randn(2, K)
+    assert torch.allclose(kernel.apply(layer, x), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_choice(tg) -> None:  # noqa: ANN001
+    from paphos.quant.gguf.kernels import KERNELS
+
+    _, shards, _ = _merged_layer(tg, ("Q4_K", "Q6_K"), (16, 16))
+    cls = next(c for c in KERNELS if c.name == "triton-gguf")
+    assert KERNELS[0] is cls  # GPU kernels go first
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert cls.can_implement(shards, cuda, torch.bfloat16) and cls.can_implement(shards, cuda, torch.float16)
+    assert not cls.can_implement(shards, cpu, torch.bfloat16)
+    assert not cls.can_implement(shards, cuda, torch.float32)  # the exact reference path instead
+    f16 = (GGUFShard("f", "F16", 16, 2 * K, 0, 0),)
+    assert not cls.can_implement(f16, cuda, torch.bfloat16)  # dequantized at load

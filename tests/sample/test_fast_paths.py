@@ -1,0 +1,211 @@
+"""The sampler's fast paths against the reference forms (paphos/sample/fast/).
+
+Kernels run under the Triton interpreter on CPU tensors (forced, small shapes); compaction and the
+race run in torch. Random logits with -inf entries, ties (also a tie group larger than the kernel's
+bucket), a single finite token and neutral rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from paphos.sample.metadata import SamplingMetadata
+from paphos.sample.ops.min_p import apply_min_p
+from paphos.sample.ops.top_k_top_p import apply_top_k_top_p
+from paphos.sample.sampler import Sampler, _chain_group, apply_pre_chain, run_chain
+from paphos.sampling_params import SamplingParams
+
+try:
+    import triton
+
+    _HAVE_TRITON = hasattr(triton, "jit")
+except ImportError:
+    _HAVE_TRITON = False
+
+needs_triton = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[object]:
+    """paphos.sample.fast.kernels imported under the interpreter (re-imported if it was compiled)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    name = "paphos.sample.fast.kernels"
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    module = importlib.import_module(name)
+    reloaded = not isinstance(module._race_kernel, InterpretedFunction)
+    if reloaded:
+        module = importlib.reload(module)
+    if previous is None:
+        os.environ.pop("TRITON_INTERPRET")
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+    with module.force_kernels():
+        yield module
+    if reloaded:
+        importlib.reload(sys.modules[name])
+
+
+def logits_cases(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Row 0: -inf entries; row 1: a large tie group at a high value; row 2: one finite token;
+    row 3: ties around the top; the rest random."""
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, ::3] = -math.inf
+    x[1, 40:140] = x[1].max() - 0.5
+    x[2, 1:] = -math.inf
+    x[3, 10:20] = x[3].max()
+    return x
+
+
+@needs_triton
+def test_row_stats_kernel(kernels) -> None:
+    x = logits_cases(6, 700, 0)
+    amax, arg, lse = kernels.row_stats(x)
+    assert torch.equal(amax, x.amax(-1))
+    assert torch.equal(arg, x.argmax(-1))
+    torch.testing.assert_close(lse, x.logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_race_kernel_matches_torch(kernels) -> None:
+    from paphos.sample.fast import race as race_mod
+
+    x = logits_cases(6, 700, 1)
+    step = race_mod.step_keys(torch.arange(6) * 11, torch.arange(6), 2)
+    got = kernels.race(x, step)
+    with kernels.force_kernels(False):
+        want = race_mod.race(x, step)
+    assert torch.equal(got, want)
+    assert torch.isfinite(x.gather(1, got.unsqueeze(1))).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("seed", range(2))
+def test_tail_kernel_survivors_and_tokens_match_the_ops(kernels, seed: int) -> None:
+    from paphos.sample.fast import race as race_mod
+
+    rows, vocab = 8, 600
+    x = logits_cases(rows, vocab, seed)
+    temp = torch.tensor([0.8, 1.0, 1.0, 2.0, 0.5, 1.3, 0.7, 1.0])
+    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.3, 0.99, 0.6, 1.0])
+    min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0, 0.02, 0.0, 0.0])  # last row neutral
+    step = race_mod.step_keys(torch.arange(rows) + 100 * seed, torch.arange(rows), 2)
+    # A small bucket (cap 16, 4 pivots) so the bracket search and the tie path both run.
+    tok, arg, last_v, last_id = kernels.tail(x, temp, top_p, min_p, step, cap=16, pivots=4)
+    xs = x / temp.unsqueeze(1)
+    ref = apply_min_p(apply_top_k_top_p(xs.clone(), None, top_p), min_p)
+    ids = torch.arange(vocab)
+    kept = (xs > last_v[:, None]) | ((xs == last_v[:, None]) & (ids <= last_id[:, None]))
+    kept &= (xs >= xs.amax(-1, keepdim=True) + torch.log(min_p)[:, None]) & torch.isfinite(xs)
+    assert torch.equal(kept, torch.isfinite(ref))
+    with kernels.force_kernels(False):
+        assert torch.equal(tok, race_mod.race(ref, step))
+    assert torch.equal(arg, xs.argmax(-1))
+
+
+EVERY = dict(
+    temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, top_a=0.05, tfs=0.98, typical_p=0.97, eta_cutoff=2,
+    epsilon_cutoff=2, nsigma=3, smoothing_factor=0.2, repetition_penalty=1.1, frequency_penalty=0.1,
+    presence_penalty=0.1, no_repeat_ngram_size=3, dry_multiplier=0.5, xtc_probability=0.5, xtc_threshold=0.05,
+    skew=0.1, dynatemp_min=0.5, dynatemp_max=1.2, custom_token_bans=[5], logit_bias={7: 2.0},
+)
+VOCAB = 400  # > top_k + 256: compaction engages
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    params = []
+    for i in range(n):
+        if i % 5 == 4:
+            p = SamplingParams(temperature=0, repetition_penalty=1.2)
+        elif i % 5 == 3:
+            p = SamplingParams(seed=i, **{**EVERY, "top_k": 1 + i})
+        else:
+            p = SamplingParams(seed=i, **EVERY)
+        p.dry_breaker_ids = [0]
+        params.append(p)
+    return params
+
+
+def histories(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (12,), generator=gen).tolist() * 2 for _ in range(n)]
+
+
+def build(params: list[SamplingParams], seed: int, hist: list[list[int]] | None = None) -> SamplingMetadata:
+    hist = hist or histories(len(params), seed)
+    return SamplingMetadata.build(params, [p.seed or 0 for p in params], hist, [8] * len(params), 2, VOCAB,
+                                  torch.device("cpu"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compacted_chain_has_the_reference_survivors(seed: int) -> None:
+    params = [SamplingParams(seed=i, **EVERY) for i in range(6)]
+    for p in params:
+        p.dry_breaker_ids = [0]
+    md = build(params, seed)
+    assert md.groups[0].top_k_bound == 20
+    x = logits_cases(6, VOCAB, seed)
+    coins = torch.rand(6, generator=torch.Generator().manual_seed(seed))
+    dense = run_chain(apply_pre_chain(x.clone(), md), md, coins)
+    values, ids = _chain_group(apply_pre_chain(x.clone(), md), md, md.groups[0], coins, True)
+    assert ids is not None and values.shape[1] < VOCAB
+    assert torch.equal(ids, ids.sort(dim=-1).values)
+    from paphos.sample.fast.compact import expand
+
+    full = expand(values, ids, VOCAB)
+    assert torch.equal(torch.isinf(full), torch.isinf(dense))
+    fin = torch.isfinite(dense)
+    torch.testing.assert_close(full[fin], dense[fin], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fast_sampler_gives_the_reference_tokens(seed: int) -> None:
+    params = mixed_params(20)
+    md = build(params, seed)
+    x = logits_cases(20, VOCAB, seed)
+    fast = Sampler()(x.clone(), md)
+    ref = Sampler(fast=False)(x.clone(), md)
+    assert torch.equal(fast.sampled_token_ids, ref.sampled_token_ids)
+    torch.testing.assert_close(fast.sampled_logprobs, ref.sampled_logprobs)
+
+
+def test_compacted_rows_reproduce_alone_and_in_a_batch() -> None:
+    params = mixed_params(12)
+    hist = histories(12, 7)
+    x = logits_cases(12, VOCAB, 7)
+    together = Sampler()(x.clone(), build(params, 7, hist)).sampled_token_ids
+    for i in (0, 3, 4, 5):
+        alone = Sampler()(x[i:i + 1].clone(), build([params[i]], 7, [hist[i]])).sampled_token_ids
+        assert int(alone[0]) == int(together[i])
+
+
+@needs_triton
+def test_fused_tail_in_the_sampler_matches_the_reference(kernels) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=i) for i in range(5)]
+    params += [SamplingParams(temperature=0), SamplingParams(top_p=0.5, seed=9)]
+    md = SamplingMetadata.build(params, [p.seed or 0 for p in params], [[1, 2]] * 7, [1] * 7, None, 300,
+                                torch.device("cpu"))
+    x = logits_cases(7, 300, 3)
+    fast = Sampler()(x.clone(), md)  # kernels forced: row stats, fused tail
+    with kernels.force_kernels(False):
+        ref = Sampler(fast=False)(x.clone(), md)
+    assert torch.equal(fast.sampled_token_ids, ref.sampled_token_ids)
+    torch.testing.assert_close(fast.sampled_logprobs, ref.sampled_logprobs)
+
+
+def test_greedy_only_fast_path() -> None:
+    x = logits_cases(4, VOCAB, 5).to(torch.bfloat16)
+    md = SamplingMetadata.build([SamplingParams(temperature=0)] * 4, [0] * 4, [[1]] * 4, [1] * 4, None, VOCAB,
+                                torch.device("cpu"))
+    out = Sampler()(x, md)
+    assert torch.equal(out.sampled_token_ids, x.float().argmax(-1))
+    torch.testing.assert_close(out.sampled_logprobs, x.float().log_softmax(-1).gather(1, out.sampled_token_ids[:, None])
+                               .squeeze(1))
