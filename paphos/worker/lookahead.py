@@ -7,16 +7,20 @@ model's step). When the next step is fully determined on the device, its graph i
 once with the sampled ids as input, and sampled; the host work of step N then overlaps the GPU
 work of step N+1.
 
-"Fully determined" means, for every row: greedy sampling whose result depends only on this
-step's logits (no penalties, DRY, n-gram bans, mirostat, grammars, phrase bans — those read the
-token history or host state), `min_tokens` no longer masking, the row not at its last allowed
-token, and the next token's KV block already allocated (the scheduler allocates a decoding
-request's next block one step early while the pool has blocks to spare). The next `execute` takes the result only if the scheduler asked for exactly
-that step (same requests, positions and slots); otherwise it is dropped. Dropping is safe: the
-dropped step wrote K/V only into slots the same requests held at positions they had not reached
-(never into a full, hashed block, which nothing else could share yet), and the real step at that
-position rewrites them before anything reads them; a block freed meanwhile is written by its next
-owner only after the dropped step has run, in stream order.
+"Fully determined" means, for every row: a token that depends only on this step's logits and
+the row's (seed, position) — greedy, or sampled by any chain of the stateless samplers
+(temperature incl. dynamic, top-k/p/a, min-p, tfs, typical, eta/epsilon, top-nσ, smoothing, XTC,
+skew; the next step's metadata is this one's with every position one on, computed on the device)
+— but nothing that reads the token history or host state (penalties, DRY, n-gram bans, mirostat,
+grammars, phrase bans); `min_tokens` no longer masking, the row not at its last allowed token,
+and the next token's KV block already allocated (the scheduler allocates a decoding request's
+next block one step early while the pool has blocks to spare). The next `execute` takes the
+result only if the scheduler asked for exactly that step (same requests, positions and slots);
+otherwise it is dropped. Dropping is safe: the dropped step wrote K/V only into slots the same
+requests held at positions they had not reached (never into a full, hashed block, which nothing
+else could share yet), and the real step at that position rewrites them before anything reads
+them; a block freed meanwhile is written by its next owner only after the dropped step has run,
+in stream order.
 """
 
 from __future__ import annotations
@@ -31,24 +35,31 @@ from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.sampler import SamplerOutput
 from paphos.sampling_params import SamplingParams
 
-# Fields that may differ from their defaults without making a greedy row's next token depend on
-# anything but its logits (plus `min_tokens`, checked against the output length).
+# Fields that may differ from their defaults without making a row's next token depend on
+# anything but its logits and (seed, position) (plus `min_tokens`, checked against the output length).
 _STATELESS_FIELDS = frozenset({
-    "n", "best_of", "temperature", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop",
-    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-    "logprobs", "prompt_logprobs", "extra_eos_token_ids", "logit_bias", "allowed_token_ids",
-    "custom_token_bans", "ban_eos_token", "top_k", "top_p", "min_p", "order",
+    "n", "best_of", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "logprobs",
+    "prompt_logprobs", "extra_eos_token_ids", "logit_bias", "allowed_token_ids", "custom_token_bans",
+    "ban_eos_token", "order", "sampler_priority", "sampler_order", "temperature", "temperature_last",
+    "dynatemp_min", "dynatemp_max", "dynatemp_exponent", "top_k", "top_p", "top_a", "min_p", "tfs",
+    "typical_p", "eta_cutoff", "epsilon_cutoff", "nsigma", "smoothing_factor", "smoothing_curve",
+    "xtc_threshold", "xtc_probability", "skew",
 })
 _DEFAULTS = SamplingParams()
 
 
-def greedy_and_stateless(params: SamplingParams) -> bool:
-    if not params.is_greedy:
-        return False
+def stateless(params: SamplingParams) -> bool:
     for f in dataclasses.fields(params):
         if f.name not in _STATELESS_FIELDS and getattr(params, f.name) != getattr(_DEFAULTS, f.name):
             return False
     return True
+
+
+def next_step_metadata(metadata: SamplingMetadata) -> SamplingMetadata:
+    """The sampling metadata of the rows' next decode step: stateless rows change only their
+    output position (the key of their random draws), advanced here on the device."""
+    return dataclasses.replace(metadata, positions=metadata.positions + 1)
 
 
 @dataclass

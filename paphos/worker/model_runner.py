@@ -27,7 +27,13 @@ from paphos.worker.input_batch import (
     build_step_inputs,
 )
 from paphos.worker.kv_cache import KVCacheSpec, allocate_kv_caches
-from paphos.worker.lookahead import Lookahead, Readback, greedy_and_stateless, next_slots_if_allocated
+from paphos.worker.lookahead import (
+    Lookahead,
+    Readback,
+    next_slots_if_allocated,
+    next_step_metadata,
+    stateless,
+)
 
 
 def derive_seed(seed: int) -> int:
@@ -144,7 +150,7 @@ class ModelRunner:
         device (lookahead.py); None otherwise."""
         assert self.decode_graphs is not None
         eligible = all(
-            greedy_and_stateless(s.sampling_params)
+            stateless(s.sampling_params)
             and s.sampling_params.min_tokens <= s.num_output_tokens
             and (s.sampling_params.max_tokens is None or s.num_output_tokens + 1 < s.sampling_params.max_tokens)
             for s in states
@@ -154,11 +160,13 @@ class ModelRunner:
         if next_slots is None:
             return None
         logits = self.decode_graphs.run_next(result.sampled_token_ids, inputs.attn_metadata.block_tables)
-        # The rows' params exclude everything that reads the history or the output count (greedy,
-        # no min_tokens mask left), so this step's metadata holds for the next one: no host data
-        # is built or copied (a pageable host->device copy would wait for the replay just queued).
-        next_result = self._sample(logits[:, : self.vocab_size], states, metadata)
-        return Lookahead(list(inputs.req_ids), inputs.host_positions + 1, next_slots, next_result, metadata)
+        # The rows' params exclude everything that reads the history (no min_tokens mask left
+        # either), so the next step's metadata is this one's with the positions moved on, on the
+        # device: no host data is built or copied (a pageable host->device copy would wait for the
+        # replay just queued).
+        next_metadata = next_step_metadata(metadata)
+        next_result = self._sample(logits[:, : self.vocab_size], states, next_metadata)
+        return Lookahead(list(inputs.req_ids), inputs.host_positions + 1, next_slots, next_result, next_metadata)
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         rows = [(row, s.req_id, s.sampling_params, s.num_output_tokens) for row, s in enumerate(states)]

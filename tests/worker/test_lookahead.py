@@ -85,17 +85,36 @@ def test_lookahead_gives_the_same_tokens_and_is_taken_for_plain_greedy_decoding(
 def test_dropped_lookaheads_leave_outputs_unchanged(tiny_model) -> None:
     llm = _llm(tiny_model)
     prompts = ["w5 w6 w7", "w9 w10 w11", "w30 w31", "w40"]
-    # Different lengths finish requests mid-batch; a stop string ends one early; a sampled row
-    # (seeded) never looks ahead; a lone token prompt decodes beside longer ones.
+    # Different lengths finish requests mid-batch; a stop string ends one early; a row with a
+    # repetition penalty (it reads the history) never looks ahead; a lone token prompt decodes
+    # beside longer ones.
     params = [
         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=17, stop=["w3"]),
     ]
     want = _generate(llm, None, prompts, params)
     graphs = EagerDecodeGraphs(llm.engine.runner)
     assert _generate(llm, graphs, prompts, params) == want
+
+
+def test_seeded_sampled_rows_look_ahead_with_the_same_draws(tiny_model) -> None:
+    """Stateless samplers (temperature, top-k/p, min-p, XTC...) key their draws by (seed, output
+    position): the looked-ahead step draws with the next position and gives the same tokens."""
+    llm = _llm(tiny_model)
+    prompts = ["w5 w6 w7", "w9 w10 w11 w12", "w20"]
+    params = [
+        SamplingParams(temperature=0.9, seed=11, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02, seed=5, max_tokens=25, ignore_eos=True),
+        SamplingParams(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.05, seed=3, max_tokens=25,
+                       ignore_eos=True),
+    ]
+    want = _generate(llm, None, prompts, params)
+    assert len({tuple(t) for t in want}) == 3
+    graphs = EagerDecodeGraphs(llm.engine.runner)
+    assert _generate(llm, graphs, prompts, params) == want
+    assert graphs.advances > 4 * graphs.replays
 
 
 def test_requests_arriving_during_decoding_drop_the_lookahead(tiny_model) -> None:
