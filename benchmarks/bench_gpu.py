@@ -339,11 +339,13 @@ def section_ttft(bench: Bench) -> dict[str, Any]:
 
 def section_prefill(bench: Bench) -> dict[str, Any]:
     vocab = bench.config["vocab_size"]
-    bench.engine_steps(random_prompts(1, 512, vocab, 6), 1)
-    t0 = time.perf_counter()
-    bench.engine_steps(random_prompts(4, 4096, vocab, 7), 1)
-    elapsed = time.perf_counter() - t0
-    return {"seconds": elapsed, "prefill_tok_s": 4 * 4096 / elapsed}
+    times = []
+    for seed in range(3):  # the first run also pays one-time costs (cuBLAS heuristics, allocator growth)
+        t0 = time.perf_counter()
+        bench.engine_steps(random_prompts(4, 4096, vocab, 7 + seed), 1)
+        times.append(time.perf_counter() - t0)
+    elapsed = min(times[1:])
+    return {"seconds": elapsed, "prefill_tok_s": 4 * 4096 / elapsed, "seconds_all": times}
 
 
 def section_offline(bench: Bench) -> dict[str, Any]:
@@ -479,7 +481,8 @@ def main() -> None:
     parser.add_argument("--gmu", type=float, default=0.75)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: the engine's (on with CUDA graphs)")
     parser.add_argument("--offline-prompts", type=int, default=1000)
     parser.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     args = parser.parse_args()

@@ -192,8 +192,9 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
          help="force the number of KV blocks (tests, benchmarks)")
     sched = parser.add_argument_group("scheduler")
     _add(sched, "--max-num-seqs", type=int, default=256, help="sequences per step (default 256)")
-    _add(sched, "--decode-lookahead", action="store_true",
-         help="experimental, GPU: launch the next greedy decode step before the current one is read back")
+    _add(sched, "--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
+         help="launch the next decode step before the current one is read back (default: on where decode "
+              "steps replay CUDA graphs)")
     _add(sched, "--max-num-batched-tokens", type=int, default=None, metavar="N",
          help="tokens per step (default 2048 with chunked prefill, else max(max-model-len, 2048))")
     _add(sched, "--enable-chunked-prefill", type=parse_bool, nargs="?", const=True, default=True, metavar="BOOL",

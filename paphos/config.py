@@ -126,9 +126,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Filled in from the model once it is known; the scheduler reads it for length checks.
     max_model_len: int = 2048
-    # Experimental (GPU): launch a greedy decode step before the previous one is read back, with
-    # each decoding request's next KV block allocated a step early (worker/lookahead.py).
-    decode_lookahead: bool = False
+    # Launch the next decode step of a graph-replayed batch before the current one is read back,
+    # with each decoding request's next KV block allocated a step early (worker/lookahead.py).
+    # None = auto: on wherever decode steps replay CUDA graphs (resolved by worker/setup.py).
+    decode_lookahead: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -4,9 +4,8 @@ Data flow: model runner (AttentionMetadata) -> model -> attention layer -> Trito
 (triton_backend.py) -> the launchers here (the K/V write is in triton_kv_write.py). Two jobs:
 
   * `paged_attention_decode`: rows with query_len 1, split-KV ("flash decoding"): each
-    (sequence, kv head) context is cut into NUM_SPLITS segments handled by separate programs, and
-    the last of them to finish (an atomic arrival counter) merges the partial results by their
-    log-sum-exp, so a layer's decode attention is one launch. NUM_SPLITS is a launch
+    (sequence, kv head) context is cut into NUM_SPLITS segments handled by separate programs, and a
+    second small kernel merges the partial results by their log-sum-exp. NUM_SPLITS is a launch
     constant chosen by the caller from the number of rows only, and context lengths are read from
     the device `seq_lens`, so the launch can be captured in a CUDA graph;
   * `paged_attention_prefill`: chunks with query_len > 1 (possibly after a cached prefix),
@@ -107,7 +106,6 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counter_ptr,
     cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
@@ -205,32 +203,35 @@ def _decode_split_kernel(
         )
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_valid)
-        # The last split program of this (sequence, kv head) to finish merges all of them (one
-        # launch instead of a separate merge kernel). Its partials are complete before the
-        # acq_rel counter increment; the merger resets the counter for the next layer / replay.
-        tl.debug_barrier()
-        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:
-            first = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + kv_head * GROUP) * NUM_SPLITS
-            for g in tl.static_range(GROUP):
-                _merge_splits(
-                    out_ptr + row64 * stride_ot + (kv_head * GROUP + g) * stride_oh, part_out_ptr, part_lse_ptr,
-                    first + g * NUM_SPLITS, offs_d, head_dim, v_scale, BLOCK_D, NUM_SPLITS,
-                )  # fmt: skip
-            tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def _merge_splits(
-    dst_ptr, part_out_ptr, part_lse_ptr, first, offs_d, head_dim, v_scale,
-    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
-    """Combines one head's NUM_SPLITS partial outputs (at partial index `first`..) by their
-    log-sum-exp and stores the result at dst_ptr [D]. The partials were written by other programs:
-    they are read past the (non-coherent) L1 cache."""
-    part = first + tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + part, cache_modifier=".cg")
-    o = tl.load(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], cache_modifier=".cg")
+def _decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    stride_ot,
+    stride_oh,
+    head_dim,
+    v_scale,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIXED: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    if MIXED:
+        row = tl.load(query_start_loc_ptr + seq)
+        if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
+            return
+    else:
+        row = seq
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + part)
+    o = tl.load(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
     lse_max = tl.max(lse, 0)
     # All splits empty only for padding rows (seq_len 0); keep their weights 0, not NaN.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
@@ -238,7 +239,11 @@ def _merge_splits(
     denom = tl.sum(w, 0)
     denom = tl.where(denom > 0.0, denom, 1.0)
     res = tl.sum(o * w[:, None], 0) / denom * v_scale
-    tl.store(dst_ptr + offs_d, res.to(dst_ptr.dtype.element_ty), mask=offs_d < head_dim)
+    tl.store(
+        out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=offs_d < head_dim,
+    )
 
 
 @dataclass(frozen=True)
@@ -301,16 +306,14 @@ def paged_attention_decode(
             num_seqs * num_heads * num_splits * block_d, dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty(num_seqs * num_heads * num_splits, dtype=torch.float32, device=q.device)
-        counters = _split_counters(num_seqs * num_kv_heads, q.device)
     else:
-        part_out = part_lse = counters = out  # unused by the kernel when NUM_SPLITS == 1
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     qsl = query_start_loc if mixed else seq_lens  # any int32 pointer; unused when not mixed
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         out,
         part_out,
         part_lse,
-        counters,
         kv_cache,
         block_tables,
         seq_lens,
@@ -342,25 +345,29 @@ def paged_attention_decode(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters of the split-KV programs, at least n of them. The kernels
-    leave them zero again, so one array serves every layer and step; an outgrown array is kept
-    alive (CUDA graphs captured with it still use its address), the newest one is handed out."""
-    arrays = _COUNTERS.setdefault(device, [])
-    if not arrays or arrays[-1].numel() < n:
-        arrays.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return arrays[-1]
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            qsl,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            v_read_scale,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            MIXED=mixed,
+            num_warps=4,
+        )
 
 
 # ------------------------------------------------------------------------------------------ prefill
 
 
-@triton.jit
+# The sequence count changes every step: specialising on its value (== 1, % 16) would recompile
+# the kernel mid-serving, a stall of a second or more, the first time a step has an unseen kind.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr,
     out_ptr,

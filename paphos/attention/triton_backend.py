@@ -4,7 +4,7 @@ Data flow: model runner (builds AttentionMetadata) -> model -> attention layer -
 -> Triton kernels in triton_attention.py. Per call (one layer, one step):
   1. the rotary embedding (when the layer hands it over) and the K/V store at `slot_mapping`
      (fp8 caches: x / k_scale) in one kernel (triton_kv_write.py);
-  2. decode rows (query_len 1) go through the split-KV decode kernel (which merges its splits);
+  2. decode rows (query_len 1) go through the split-KV decode kernel (+ its merge kernel);
   3. prefill chunks (query_len > 1, possibly after a cached prefix) go through the tiled
      flash-attention kernel.
 Semantics are the torch reference's (torch_ref.py), which is the oracle the tests compare against.

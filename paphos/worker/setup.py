@@ -8,7 +8,7 @@ memory budget -> ModelRunner. Returns the EngineConfig with model-derived values
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,15 +104,18 @@ def load_worker(config: EngineConfig) -> Worker:
         num_blocks * kv_spec.bytes_per_block(config.cache.block_size) / (1 << 30), device,
     )
     eos_ids = source.eos_token_ids
+    graphs = device.type == "cuda" and not model_config.enforce_eager and backend.name == "triton"
+    if device.type == "cuda" and not model_config.enforce_eager and not graphs:
+        logger.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
+    if config.scheduler.decode_lookahead is None:
+        # The lookahead replays graphs only; elsewhere its early block allocation would buy nothing.
+        config = replace(config, scheduler=replace(config.scheduler, decode_lookahead=graphs))
     runner = ModelRunner(
         model, kv_spec, num_blocks, config.cache.block_size, device, model.vocab_size,
-        eos_ids[0] if eos_ids else None, max_model_len, config.scheduler.decode_lookahead,
+        eos_ids[0] if eos_ids else None, max_model_len, bool(config.scheduler.decode_lookahead),
     )
-    if device.type == "cuda" and not model_config.enforce_eager:
-        if backend.name == "triton":
-            runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
-        else:
-            logger.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
+    if graphs:
+        runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
     return Worker(
         config=config,
         tokenizer=source.tokenizer,

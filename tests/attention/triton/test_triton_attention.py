@@ -100,6 +100,7 @@ def test_kernels_run_in_the_interpreter_on_cpu_tensors() -> None:
     for kernel in (
         tw._write_kv_kernel,
         ta._decode_split_kernel,
+        ta._decode_reduce_kernel,
         ta._prefill_kernel,
     ):
         assert isinstance(kernel, InterpretedFunction)
