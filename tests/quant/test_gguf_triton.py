@@ -19,13 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-triton = pytest.importorskip("triton")
-if not hasattr(triton, "jit"):
-    pytest.skip("no usable triton", allow_module_level=True)
-
-from paphos.quant.gguf.dequant import dequantize  # noqa: E402
-from paphos.quant.gguf.kernels import GGUFShard  # noqa: E402
-from tests.quant.gguf_blocks import random_blocks, weight_scale  # noqa: E402
+from paphos.quant.gguf.dequant import dequantize
+from paphos.quant.gguf.kernels import GGUFShard
+from tests.quant.gguf_blocks import random_blocks, weight_scale
 
 _MODULE = "paphos.quant.gguf.triton_gguf"
 

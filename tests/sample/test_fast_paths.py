@@ -22,15 +22,6 @@ from paphos.sample.ops.top_k_top_p import apply_top_k_top_p
 from paphos.sample.sampler import Sampler, _chain_group, apply_pre_chain, run_chain
 from paphos.sampling_params import SamplingParams
 
-try:
-    import triton
-
-    _HAVE_TRITON = hasattr(triton, "jit")
-except ImportError:
-    _HAVE_TRITON = False
-
-needs_triton = pytest.mark.skipif(not _HAVE_TRITON, reason="needs triton")
-
 
 @pytest.fixture(scope="module")
 def kernels() -> Iterator[object]:
@@ -65,7 +56,6 @@ def logits_cases(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return x
 
 
-@needs_triton
 def test_row_stats_kernel(kernels) -> None:
     x = logits_cases(6, 700, 0)
     amax, arg, lse = kernels.row_stats(x)
@@ -74,7 +64,6 @@ def test_row_stats_kernel(kernels) -> None:
     torch.testing.assert_close(lse, x.logsumexp(-1), rtol=1e-5, atol=1e-5)
 
 
-@needs_triton
 def test_race_kernel_matches_torch(kernels) -> None:
     from paphos.sample.fast import race as race_mod
 
@@ -87,7 +76,6 @@ def test_race_kernel_matches_torch(kernels) -> None:
     assert torch.isfinite(x.gather(1, got.unsqueeze(1))).all()
 
 
-@needs_triton
 @pytest.mark.parametrize("seed", range(2))
 def test_tail_kernel_survivors_and_tokens_match_the_ops(kernels, seed: int) -> None:
     from paphos.sample.fast import race as race_mod
@@ -187,7 +175,6 @@ def test_compacted_rows_reproduce_alone_and_in_a_batch() -> None:
         assert int(alone[0]) == int(together[i])
 
 
-@needs_triton
 def test_fused_tail_in_the_sampler_matches_the_reference(kernels) -> None:
     params = [SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=i) for i in range(5)]
     params += [SamplingParams(temperature=0), SamplingParams(top_p=0.5, seed=9)]
