@@ -11,7 +11,10 @@ after every section so a timeout keeps what finished):
   kernels    every Triton format on real shapes against the torch reference (dequantize in fp32,
              matmul in fp32): max relative error for M = 1, 16, 64 (fused) and 512 (dequantize +
              cuBLAS); acceptance < 1e-2
-  sweep      block sizes / split-K / warps of the fused kernel per (type, shape) at M = 1 and 16,
+  gemv       the batch-1 GEMV (triton_gemv) per (type, shape): rows per program and warps swept,
+             the best installed in GEMV_CONFIGS; GB/s of the planes read and fraction of copy
+             BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight)
+  sweep      block sizes / split-K / warps of the fused kernel per (type, shape) at M = 16,
              the best one installed in TUNED_CONFIGS (the engine sections use them)
   crossover  fused kernel vs dequantize + cuBLAS at M = 16..256 on the gate_up shape; sets
              FUSED_MAX_TOKENS to the largest M where fused wins
@@ -35,6 +38,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +59,7 @@ from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "sweep", "crossover", "q4_k_m", "q8_0", "bf16")
+SECTIONS = ("ceilings", "kernels", "gemv", "sweep", "crossover", "q4_k_m", "q8_0", "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 # llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512.
 LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500}, "q8_0": {"tg128": 255, "pp512": 11100},
@@ -64,6 +68,15 @@ LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500}, "q8_0": {"tg128": 255, "pp5
 SHAPES = (("attn_q/o", 4096, 4096), ("attn_k/v", 1024, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336), ("head", 128256, 4096))  # fmt: skip
 MAIN_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+# The batch-1 GEMV's shapes: each segment of the engine's layers in the Q4_K_M and Q8_0 files
+# (q|k Q4_K + v Q6_K; qkv Q8_0; ffn_down Q4_K or Q6_K), and two more types for scale.
+GEMV_SHAPES = (
+    ("Q4_K", "attn_q|k", 5120, 4096), ("Q4_K", "attn_o", 4096, 4096), ("Q4_K", "gate_up", 28672, 4096),
+    ("Q4_K", "down", 4096, 14336), ("Q6_K", "attn_v", 1024, 4096), ("Q6_K", "down", 4096, 14336),
+    ("Q6_K", "head", 128256, 4096), ("Q8_0", "attn_qkv", 6144, 4096), ("Q8_0", "attn_o", 4096, 4096),
+    ("Q8_0", "gate_up", 28672, 4096), ("Q8_0", "down", 4096, 14336), ("Q8_0", "head", 128256, 4096),
+    ("Q5_K", "gate_up", 28672, 4096), ("Q4_0", "gate_up", 28672, 4096),
+)  # fmt: skip
 
 
 def _raw_gpu(type_name: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -131,7 +144,7 @@ def section_kernels(bench: Bench) -> dict[str, Any]:
         for m in (1, 16, 64, 512):
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
             ref = x.float() @ w.t()
-            got = tg.fused_matmul(x, [seg], n) if m <= 64 else tg.dequant_matmul(x, [seg], n)
+            got = tg.matmul(x, [seg], n)  # M = 1: the GEMV; 16, 64: fused; 512: dequantize + cuBLAS
             errs[f"M{m}"] = _rel(got, ref)
         worst = max(worst, *errs.values())
         out[f"{type_name} {shape} {n}x{k}"] = errs
@@ -142,9 +155,107 @@ def section_kernels(bench: Bench) -> dict[str, Any]:
     return out
 
 
+GEMV_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=False) for bn, w in (
+    (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (4, 4), (8, 4), (1, 8), (2, 8), (4, 8))]  # fmt: skip
+# integer dots (Q4_0, Q4_K, Q8_0): rows per step, warps, rows per program
+GEMV_INT8_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=True, rows_per_program=rpp) for bn, w, rpp in (
+    (1, 4, 4), (2, 4, 8), (2, 4, 16), (4, 4, 16), (4, 4, 32), (2, 2, 8), (4, 2, 8), (1, 2, 4), (1, 8, 4), (2, 8, 8),
+    (2, 8, 16), (4, 8, 16), (1, 16, 4), (2, 16, 8))]  # fmt: skip
+
+
+L2_BYTES = 60 << 20  # H200 (H100: 50 MiB)
+
+
+def _copies(seg: tg.Segment) -> list[tg.Segment]:
+    """Enough copies of a segment's planes that cycling through them reads from memory, not L2."""
+    count = max(1, math.ceil(3 * L2_BYTES / seg.n_bytes()))
+    return [seg] + [tg.Segment(seg.type_name, 0, seg.rows, seg.k, {n: t.clone() for n, t in seg.planes.items()})
+                    for _ in range(count - 1)]  # fmt: skip
+
+
+def graph_time(fns: list[Any], reps: int = 64) -> float:
+    """Seconds per call of the kernel launches `fns` (cycled), replayed from a CUDA graph: no host
+    launch cost in the figure, as in the engine's graph-replayed decode steps."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    calls = max(reps, 2 * len(fns))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def section_gemv(bench: Bench) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    bw = bench.results.get("copy_bw")
+    for type_name, name, n, k in GEMV_SHAPES:
+        seg, raw = _segment(type_name, n, k)
+        ref_w = dequantize(raw, type_name)
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        ref = x.float() @ ref_w.t()
+        nbytes = seg.n_bytes()
+        copies = _copies(seg)
+        results = []
+        int8 = tg.triton_gemv.integer_dots(seg.fmt)
+        for cfg in GEMV_CANDIDATES + (GEMV_INT8_CANDIDATES if int8 else []):
+            dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+            fns = [partial(tg.triton_gemv.gemv, x[0], c_seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x,
+                           cfg.rows_per_program) for c_seg in copies]  # fmt: skip
+            try:
+                fns[0]()
+                err = _rel(dst[None], ref)
+                t = graph_time(fns)
+            except Exception as e:  # noqa: BLE001 (a config that does not compile is recorded)
+                results.append({"cfg": cfg.__dict__, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            results.append({"cfg": cfg.__dict__, "us": t * 1e6, "GBps": nbytes / t / 1e9, "rel_err": err})
+        ok = [r for r in results if "us" in r]
+        best = min(ok, key=lambda r: r["us"])
+        tg.GEMV_CONFIGS[(type_name, n, k)] = tg.GemvConfig(**best["cfg"])
+        w16 = ref_w.to(torch.bfloat16)
+        w16s = [w16] + [w16.clone() for _ in range(math.ceil(3 * L2_BYTES / (w16.numel() * 2)) - 1)]
+        t16 = graph_time([lambda w=w, v=x: torch.nn.functional.linear(v, w) for w in w16s])
+        out[f"{type_name} {name} {n}x{k}"] = {
+            "best_us": best["us"], "best": best["cfg"], "GBps": best["GBps"],
+            "frac_copy_bw": best["GBps"] * 1e9 / bw if bw else None, "max_rel_err": max(r["rel_err"] for r in ok),
+            "cublas_bf16_us": t16 * 1e6, "cublas_bf16_GBps": w16.numel() * 2 / t16 / 1e9,
+            "all": results,
+        }  # fmt: skip
+        print(f"gemv {type_name} {name} {n}x{k}: {best['us']:.1f} us {best['GBps']:.0f} GB/s best {best['cfg']} "
+              f"(cuBLAS bf16 {t16 * 1e6:.1f} us); " + ", ".join(
+                  f"{'i' if r['cfg']['int8_x'] else 'f'}{r['cfg']['block_n']}/{r['cfg']['num_warps']}"
+                  f"/{r['cfg']['rows_per_program'] or ''}:{r.get('us', float('nan')):.1f}" for r in results),
+              flush=True)  # fmt: skip
+        del seg, raw, ref_w, w16, w16s, copies
+    torch.cuda.empty_cache()
+    out["max_rel_err"] = max(v["max_rel_err"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
 def _candidates(m: int) -> list[tg.KernelConfig]:
     if m == 1:
-        tiles = [(8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 256, 8), (32, 512, 8), (8, 512, 2)]
+        tiles = [
+            (8, 256, 4),
+            (16, 256, 4),
+            (16, 512, 4),
+            (32, 256, 4),
+            (16, 256, 8),
+            (32, 512, 8),
+            (8, 512, 2),
+        ]
         return [tg.KernelConfig(bn, bk, s, w, 2, 1) for bn, bk, w in tiles for s in (1, 2, 4, 8)]
     tiles = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 64, 4)]
     return [tg.KernelConfig(bn, bk, s, w, 2, 16) for bn, bk, w in tiles for s in (1, 2, 4)]
@@ -159,7 +270,7 @@ def section_sweep(bench: Bench) -> dict[str, Any]:
                 continue  # the Q4_K_M head is Q6_K
             seg, _ = _segment(type_name, n, k)
             bytes_read = seg.n_bytes()
-            for m in (1, 16):
+            for m in (16,):  # one token: the GEMV, swept in `gemv`
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 default = tg.config_for(type_name, n, k, m)
                 results = []
@@ -167,7 +278,9 @@ def section_sweep(bench: Bench) -> dict[str, Any]:
                     if time.perf_counter() > deadline and cfg is not default:
                         break
                     try:
-                        t = cuda_time(lambda c=cfg, x=x, s=seg, n=n: tg.fused_matmul(x, [s], n, [c]), warmup=2, iters=10)
+                        t = cuda_time(
+                            lambda c=cfg, x=x, s=seg, n=n: tg.fused_matmul(x, [s], n, [c]), warmup=2, iters=10
+                        )
                     except Exception as e:  # noqa: BLE001 (a config that does not compile is skipped)
                         results.append((math.inf, cfg, f"{type(e).__name__}"))
                         continue
@@ -280,11 +393,15 @@ def _steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[fl
     for i, prompt in enumerate(prompts):
         engine.add_request(f"g{time.monotonic_ns()}-{i}", prompt, params)
     steps = []
+    torch.cuda.synchronize()
+    # Every step ends by reading its sampled ids back, so the gaps between step returns are the
+    # step periods, also when the decode lookahead keeps the next step running in between.
+    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
         outputs = engine.step()
-        steps.append((time.perf_counter() - t0, len(outputs)))
+        t1 = time.perf_counter()
+        steps.append((t1 - t0, len(outputs)))
+        t0 = t1
     return steps
 
 
@@ -318,7 +435,9 @@ def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
         for batch in (16, 64):
             steps = _steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
             decode = [t for t, rows in steps[1:] if rows == batch]
-            out[f"batch{batch}"] = {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
+            out[f"batch{batch}"] = (
+                {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
+            )
         times = []
         for seed in range(4):  # pp512: one 512-token prompt per step (chunk >= 512), best of the last 3
             steps = _steps(llm, random_prompts(1, 512, vocab, 100 + seed), 1)
@@ -361,8 +480,20 @@ def section_bf16(bench: Bench) -> dict[str, Any]:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    rows = [("", "b1 tok/s", "GB/s", "%copy", "b16 tok/s", "b64 tok/s", "pp512", "llama.cpp tg/pp", "weights GB",
-             "file GB")]
+    rows = [
+        (
+            "",
+            "b1 tok/s",
+            "GB/s",
+            "%copy",
+            "b16 tok/s",
+            "b64 tok/s",
+            "pp512",
+            "llama.cpp tg/pp",
+            "weights GB",
+            "file GB",
+        )
+    ]
     for kind in ("q4_k_m", "q8_0", "bf16"):
         r = results.get(kind) or {}
         if "batch1" not in r:
@@ -392,7 +523,9 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -420,6 +553,7 @@ def main() -> None:
               f"{json.dumps(bench.results[name], default=str)[:800]}", flush=True)  # fmt: skip
         bench.save()
     bench.results["tuned_configs"] = {str(k): v.__dict__ for k, v in tg.TUNED_CONFIGS.items()}
+    bench.results["gemv_configs"] = {str(k): v.__dict__ for k, v in tg.GEMV_CONFIGS.items()}
     bench.save()
     print_table(bench.results)
 

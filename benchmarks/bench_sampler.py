@@ -6,15 +6,22 @@ dynatemp, smoothing, XTC, skew, bias and bans), (d) every row a different `sampl
 (a seeded permutation of the 14 stages) with the (b) samplers plus top-k, top-a and XTC. The
 baseline is a bare `argmax` of the same logits; (a) and (b) are also reported as overhead over it.
 
-Reported per cell: `sampler_ms`, the Sampler call (device time: synchronised before and after), and
-`build_ms`, `SamplingMetadata.build` (host work done every step by the runner). Median of
-`--repeats` after `--warmup` runs. Before timing, every cell checks the fast sampler against the
-reference form (`Sampler(fast=False)`: the whole chain on [R, V] with torch ops) on the same device:
-`token_mismatches` (rows whose sampled token differs; float32 sums in another order may move a
-boundary token, so a rare 1 is rounding, many is a bug), `max_logprob_diff`, and `reference_ms`
-(one call of the reference form). `--no-check` skips it.
+Reported per cell: `sampler_ms`, the Sampler call per step, and `build_ms`,
+`SamplingMetadata.build` (host work done every step by the runner). On CUDA a timing is `--iters`
+calls back to back between two CUDA events (launch overhead included, as in a serving loop),
+divided by `--iters`; the median of `--repeats` such timings after `--warmup` calls (which also
+compile the Triton kernels). On CPU, the median of `--repeats` single calls.
 
-    python benchmarks/bench_sampler.py --device cuda --out sampler.json
+Before timing, every cell checks the fast sampler against the reference form
+(`Sampler(fast=False)`: the whole chain on [R, V] with torch ops, one chain per group of rows) on
+the same device, at `--check-steps` output positions (different draws): `token_mismatches` (row
+draws whose token differs; float32 sums in another order may move a boundary token, so a rare 1 is
+rounding, many is a bug) out of `checked_draws`, `max_logprob_diff`, and `reference_ms` (one call
+of the reference form). Case (b) on CUDA also checks the fused kernel's top-p + min-p survivor set
+against the torch ops, row by row (`tail_set_mismatch_rows`). `--no-check` skips all that.
+
+    python benchmarks/bench_sampler.py --device cuda --quick --out sampler.json   # < 2 min on an H200
+    python benchmarks/bench_sampler.py --device cuda --out sampler.json           # the full grid
     python benchmarks/bench_sampler.py --device cpu --batch 1 64 --vocab 49152 --repeats 3 --out cpu.json
 """
 
@@ -33,8 +40,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
+from paphos.sample import order as st  # noqa: E402
+from paphos.sample.fast import dense_tail, kernels  # noqa: E402
+from paphos.sample.fast.race import step_keys  # noqa: E402
 from paphos.sample.metadata import SamplingMetadata  # noqa: E402
-from paphos.sample.sampler import Sampler  # noqa: E402
+from paphos.sample.ops.min_p import apply_min_p  # noqa: E402
+from paphos.sample.ops.top_k_top_p import apply_top_k_top_p  # noqa: E402
+from paphos.sample.sampler import NUM_DRAWS, Sampler  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
 CASES = ("a", "b", "c", "d")
@@ -67,25 +79,74 @@ def case_params(case: str, batch: int) -> list[SamplingParams]:
     return params
 
 
-def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, iters: int) -> float:
+    """Milliseconds per call (see the module docstring)."""
     for _ in range(warmup):
         fn()
     times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+    else:
+        for _ in range(repeats):
+            start_s = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start_s) * 1e3)
+    return statistics.median(times)
+
+
+def host_timed(fn: Callable[[], object], repeats: int) -> float:
+    times = []
     for _ in range(repeats):
-        sync()
         start = time.perf_counter()
         fn()
-        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
+def check(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMetadata, steps: int) -> dict:
+    """The fast sampler against the reference form at `steps` output positions (module docstring)."""
+    reference = Sampler(fast=False)
+    positions = metadata.positions
+    mismatches, logprob_diff = 0, 0.0
+    for k in range(steps):
+        metadata.positions = positions + k
+        fast, ref = sampler(logits, metadata), reference(logits, metadata)
+        mismatches += int((fast.sampled_token_ids != ref.sampled_token_ids).sum())
+        logprob_diff = max(logprob_diff, float((fast.sampled_logprobs - ref.sampled_logprobs).abs().max()))
+    metadata.positions = positions
+    out = {"token_mismatches": mismatches, "checked_draws": steps * logits.shape[0],
+           "max_logprob_diff": logprob_diff}
+    if dense_tail.applicable(metadata, logits):
+        out["tail_set_mismatch_rows"] = tail_set_mismatches(logits, metadata)
+    return out
+
+
+def tail_set_mismatches(logits: torch.Tensor, md: SamplingMetadata) -> int:
+    """Rows whose survivors of the fused (temperature, top-p, min-p) kernel differ from the ops'."""
+    temp, top_p, min_p = md.col("temperature"), md.col("top_p"), md.col("min_p")
+    step = step_keys(md.seeds, md.positions, NUM_DRAWS)
+    _, _, last_v, last_id = kernels.tail(logits.float(), temp, top_p, min_p, step)
+    xs = logits.float() / temp.unsqueeze(1)
+    ref = xs.clone()
+    if st.TOP_P in md.groups[0].stages:
+        ref = apply_top_k_top_p(ref, None, top_p)
+    ref = apply_min_p(ref, min_p)
+    ids = torch.arange(xs.shape[1], device=xs.device)
+    kept = (xs > last_v[:, None]) | ((xs == last_v[:, None]) & (ids <= last_id[:, None]))
+    kept &= (xs >= xs.amax(-1, keepdim=True) + torch.log(min_p)[:, None]) & torch.isfinite(xs)
+    return int((kept != torch.isfinite(ref)).any(dim=-1).sum())
+
+
 def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.device, warmup: int,
-             repeats: int, check: bool = True) -> dict:
+             repeats: int, iters: int, check_steps: int) -> dict:
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
     params = case_params(case, batch)
@@ -100,19 +161,16 @@ def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.devi
     sampler = Sampler()
     row: dict = {"case": case, "batch": batch, "vocab": vocab}
     with torch.inference_mode():
-        if check:
-            fast = sampler(logits, metadata)
-            reference = Sampler(fast=False)
-            ref_ms = timed(lambda: reference(logits, metadata), device, 0, 1)
-            ref = reference(logits, metadata)
-            row["token_mismatches"] = int((fast.sampled_token_ids != ref.sampled_token_ids).sum())
-            row["max_logprob_diff"] = float((fast.sampled_logprobs - ref.sampled_logprobs).abs().max())
-            row["reference_ms"] = ref_ms
-        sampler_ms = timed(lambda: sampler(logits, metadata), device, warmup, repeats)
-        argmax_ms = timed(lambda: logits.argmax(dim=-1), device, warmup, repeats)
-    build_ms = timed(build, device, warmup, repeats)
+        sampler(logits, metadata)  # compiles the kernels this cell uses
+        if check_steps:
+            row.update(check(sampler, logits, metadata, check_steps))
+            row["reference_ms"] = timed(lambda: Sampler(fast=False)(logits, metadata), device, 1, 1, 1)
+        sampler_ms = timed(lambda: sampler(logits, metadata), device, warmup, repeats, iters)
+        argmax_ms = timed(lambda: logits.argmax(dim=-1), device, warmup, repeats, iters)
+    build_ms = host_timed(build, repeats)
     row.update({"sampler_ms": sampler_ms, "build_ms": build_ms, "argmax_ms": argmax_ms,
-                "over_argmax_ms": sampler_ms - argmax_ms, "groups": len(metadata.groups)})
+                "over_argmax_ms": sampler_ms - argmax_ms, "groups": len(metadata.groups),
+                "slot_applications": sum(len(s) for s in metadata.slots) if metadata.slots else None})
     return row
 
 
@@ -124,34 +182,42 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--history", type=int, default=512, help="prompt + output tokens per row")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5, help="timings per cell (median)")
+    parser.add_argument("--iters", type=int, default=20, help="CUDA: calls per timing")
+    parser.add_argument("--check-steps", type=int, default=4, help="output positions checked per cell")
+    parser.add_argument("--quick", action="store_true", help="vocab 128256, batch 1 64 256, cases a-d only")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--no-check", action="store_true", help="skip the fast-vs-reference check")
     args = parser.parse_args()
+    if args.quick:
+        args.vocab, args.batch, args.cases = [128256], [1, 64, 256], list(CASES)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = []
     header = (f"{'case':>4} {'batch':>6} {'vocab':>7} {'sampler ms':>11} {'over argmax':>12} {'build ms':>9} "
-              f"{'groups':>6} {'ref ms':>9} {'mismatch':>8}")
+              f"{'groups':>6} {'ref ms':>9} {'mismatch':>8} {'tail set':>8}")
     print(header)
     for vocab in args.vocab:
         for batch in args.batch:
             for case in args.cases:
                 row = run_cell(case, batch, vocab, args.history, device, args.warmup, args.repeats,
-                               not args.no_check)
+                               args.iters, 0 if args.no_check else args.check_steps)
                 rows.append(row)
                 print(f"{case:>4} {batch:>6} {vocab:>7} {row['sampler_ms']:>11.3f} {row['over_argmax_ms']:>12.3f} "
                       f"{row['build_ms']:>9.3f} {row['groups']:>6} {row.get('reference_ms', float('nan')):>9.3f} "
-                      f"{row.get('token_mismatches', '-'):>8}", flush=True)
+                      f"{row.get('token_mismatches', '-'):>8} {row.get('tail_set_mismatch_rows', '-'):>8}", flush=True)
     if args.out:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "history": args.history,
-                "warmup": args.warmup, "repeats": args.repeats}
+                "warmup": args.warmup, "repeats": args.repeats, "iters": args.iters,
+                "check_steps": 0 if args.no_check else args.check_steps}
         with open(args.out, "w") as f:
             mismatches = sum(r.get("token_mismatches", 0) for r in rows)
-            json.dump({"meta": meta, "token_mismatches": mismatches, "results": rows}, f, indent=1)
+            set_mismatches = sum(r.get("tail_set_mismatch_rows", 0) for r in rows)
+            json.dump({"meta": meta, "token_mismatches": mismatches, "tail_set_mismatch_rows": set_mismatches,
+                       "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

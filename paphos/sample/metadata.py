@@ -9,6 +9,14 @@ must not pay Python work per row per sampler).
 Rows are grouped by their resolved order (paphos/sample/order.py); groups whose enabled stages
 come out the same are merged, so a batch where every row uses the default order is one group that
 pays one pass per stage some row enables, and rows with custom orders pay only for their group.
+When many groups share few stages in different orders (every row its own `sampler_priority`),
+the chain runs by slot instead (`slots`): step s applies, to the rows whose s-th unit is a given
+stage, that stage, so the work grows with the number of distinct (step, stage) pairs (at most
+steps x stages) instead of one chain per group.
+On CUDA, a batch whose rows all run history stages, then at most temperature and top-nσ, then
+top-k, then set stages (the default order, `temperature_last`, ...) gets a `FusedChain` plan: each
+row's chain stages as kernel codes in its own order (cached per request), run by one kernel on the
+top-k candidates (sample/fast/chain.py).
 """
 
 from __future__ import annotations
@@ -21,15 +29,15 @@ import numpy as np
 import torch
 
 from paphos.sample import order as st
+from paphos.sample.fast.compact import SET_STAGES, capacity
+from paphos.sample.fast.kernels import CHAIN_CODE, CHAIN_MAX_WIDTH, CHAIN_PARAMS
 from paphos.sampling_params import SamplingParams
 
-COLUMNS = (
-    "temperature", "dynatemp_min", "dynatemp_max", "dynatemp_exponent", "top_k", "top_p", "top_a", "min_p",
-    "tfs", "typical_p", "eta", "epsilon", "nsigma", "smoothing_factor", "smoothing_curve",
+# The chain kernel's parameters first (it reads them at fixed offsets), then the rest.
+COLUMNS = CHAIN_PARAMS + (
     "repetition_penalty", "repetition_penalty_range", "rep_pen_slope", "frequency_penalty", "presence_penalty",
     "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_range", "dry_max_ngram",
-    "dry_max_occurrences", "dry_early_exit_match_len", "xtc_threshold", "xtc_probability", "skew",
-    "mirostat_mode", "mirostat_tau", "mirostat_eta",
+    "dry_max_occurrences", "dry_early_exit_match_len", "mirostat_mode", "mirostat_tau", "mirostat_eta",
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 HISTORY_STAGES = frozenset({st.PENALTIES, st.DRY, st.NO_REPEAT_NGRAM})
@@ -42,6 +50,8 @@ _CACHE_ATTR = "_paphos_sampler_row"
 class SamplerRow:
     values: tuple[float, ...]
     enabled: frozenset[str]  # chain stages (and "skew") this row changes anything in
+    # Its enabled fused-chain stages in its order, as kernel codes, 0-padded to len(CHAIN_STAGES).
+    codes: tuple[int, ...]
 
 
 def sampler_row(p: SamplingParams) -> SamplerRow:
@@ -108,7 +118,10 @@ def sampler_row(p: SamplingParams) -> SamplerRow:
         st.MIROSTAT: v["mirostat_mode"] > 0,
         SKEW: v["skew"] != 0,
     }
-    row = SamplerRow(tuple(float(values[c]) for c in COLUMNS), frozenset(s for s, on in checks.items() if on))
+    enabled = frozenset(s for s, on in checks.items() if on)
+    codes = tuple(CHAIN_CODE[s] for s in p.order if s in enabled and s in CHAIN_CODE)
+    codes += (0,) * (len(CHAIN_CODE) - len(codes))
+    row = SamplerRow(tuple(float(values[c]) for c in COLUMNS), enabled, codes)
     p.__dict__[_CACHE_ATTR] = row
     return row
 
@@ -123,11 +136,27 @@ class StageGroup:
 
 
 @dataclass
+class FusedChain:
+    """The batch's chain as one kernel on top-k candidates (sample/fast/chain.py)."""
+
+    history: list[StageGroup]  # the groups' history stages, run first on [R, V] by the torch ops
+    codes: torch.Tensor  # int32 [R, S]: each row's chain stages in its order, 0-padded
+    bound: int  # largest top_k of the sampling rows (the candidates: compact.capacity(bound, V))
+    # Some row runs dynatemp or top-nσ before its top-k: they need full-vocabulary statistics.
+    prefix_stats: bool
+
+
+@dataclass
 class SamplingMetadata:
     num_rows: int
     vocab_size: int
     columns: torch.Tensor  # float32 [R, len(COLUMNS)]
     groups: list[StageGroup]
+    # Chain by slot (see the module docstring), or None: the groups run one after the other (they
+    # always describe the chain, the reference form runs them). Each step lists (unit, rows) with
+    # disjoint rows; a unit is one stage or top_k + top_p.
+    slots: list[list[StageGroup]] | None
+    fused: FusedChain | None  # the fused-kernel plan where the batch allows it (module docstring)
     greedy_rows: torch.Tensor  # bool [R]
     all_greedy: bool
     all_random: bool  # no greedy row
@@ -255,7 +284,7 @@ class SamplingMetadata:
             mask_rows.extend([row] * len(masked))
             mask_ids.extend(masked)
 
-        groups = _groups(params, rows_info, num_rows, device)
+        groups, slots, fused = _groups(params, rows_info, num_rows, vocab_size, device)
         greedy = [p.is_greedy for p in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         bitmask_rows = bitmask = None
@@ -267,6 +296,8 @@ class SamplingMetadata:
             vocab_size=vocab_size,
             columns=columns.to(device),
             groups=groups,
+            slots=slots,
+            fused=fused,
             greedy_rows=tensor(greedy, torch.bool),
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -314,10 +345,60 @@ def _masked_ids(p: SamplingParams, num_output: int, token_ids: Sequence[int], eo
     return masked
 
 
+def _units(stages: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The chain's units: top_k directly followed by top_p is one (a single sort serves both)."""
+    units: list[tuple[str, ...]] = []
+    for stage in stages:
+        if stage == st.TOP_P and units and units[-1] == (st.TOP_K,):
+            units[-1] = (st.TOP_K, st.TOP_P)
+        else:
+            units.append((stage,))
+    return units
+
+
+def _fused_plan(
+    params: Sequence[SamplingParams], rows_info: Sequence[SamplerRow], by_stages: dict[tuple[str, ...], list[int]],
+    bounds: list[int], vocab_size: int,
+) -> tuple[int, bool] | None:
+    """(largest top_k, prefix stats needed) when every group runs history stages, then a subset of
+    (temperature, top-nσ), then top-k with a bound, then set stages only; greedy-only groups may
+    stop after the history. None otherwise: the group / slot chains run instead."""
+    bound, prefix_stats = 0, False
+    for (stages, rows), group_bound in zip(by_stages.items(), bounds, strict=True):
+        head = tuple(s for s in stages if s in HISTORY_STAGES)
+        rest = stages[len(head):]
+        if stages[: len(head)] != head:
+            return None
+        if not rest:
+            if not all(params[i].is_greedy for i in rows):
+                return None  # random sampling from the whole vocabulary
+            continue
+        if group_bound <= 0:
+            return None
+        cut = rest.index(st.TOP_K)
+        before, after = rest[:cut], rest[cut + 1:]
+        if not set(before) <= {st.TEMPERATURE, st.TOP_NSIGMA} or not set(after) <= SET_STAGES:
+            return None
+        dynatemp = any(rows_info[i].values[COL["dynatemp_min"]] > 0 or rows_info[i].values[COL["dynatemp_max"]] > 0
+                       for i in rows)
+        # Dynatemp after top-nσ would need the entropy of nσ's survivors over the whole vocabulary.
+        if dynatemp and before == (st.TOP_NSIGMA, st.TEMPERATURE):
+            return None
+        prefix_stats |= st.TOP_NSIGMA in before or (dynatemp and st.TEMPERATURE in before)
+        bound = max(bound, group_bound)
+    width = capacity(bound, vocab_size)
+    if bound == 0 or width >= vocab_size or width > CHAIN_MAX_WIDTH:
+        return None
+    return bound, prefix_stats
+
+
 def _groups(
-    params: Sequence[SamplingParams], rows_info: Sequence[SamplerRow], num_rows: int, device: torch.device
-) -> list[StageGroup]:
-    """Rows grouped by order, then merged where the stages they actually run are the same."""
+    params: Sequence[SamplingParams], rows_info: Sequence[SamplerRow], num_rows: int, vocab_size: int,
+    device: torch.device,
+) -> tuple[list[StageGroup], list[list[StageGroup]] | None, FusedChain | None]:
+    """Rows grouped by order, then merged where the stages they actually run are the same; the
+    slot plan when it runs at most half the stage applications of the groups' chains together;
+    the fused plan where it applies."""
     by_order: dict[tuple[str, ...], list[int]] = {}
     for i, p in enumerate(params):
         by_order.setdefault(p.order, []).append(i)
@@ -326,13 +407,35 @@ def _groups(
         enabled = frozenset().union(*(rows_info[i].enabled for i in rows))
         stages = tuple(s for s in order if s in enabled)
         by_stages.setdefault(stages, []).extend(rows)
-    groups = []
-    top_k = COL["top_k"]
+    by_stages.pop((), None)
+    slot_rows: list[dict[tuple[str, ...], list[int]]] = []
     for stages, rows in by_stages.items():
-        if not stages:
-            continue
-        index = None if len(rows) == num_rows else torch.tensor(sorted(rows), dtype=torch.int64, device=device)
+        for step, unit in enumerate(_units(stages)):
+            if step == len(slot_rows):
+                slot_rows.append({})
+            slot_rows[step].setdefault(unit, []).extend(rows)
+    use_slots = bool(slot_rows) and 2 * sum(len(step) for step in slot_rows) <= sum(len(_units(s)) for s in by_stages)
+    # Every row index list in one host-to-device transfer; the groups' and steps' rows are views.
+    lists = [sorted(rows) for rows in by_stages.values() if len(rows) < num_rows]
+    if use_slots:
+        lists += [sorted(rows) for step in slot_rows for rows in step.values()]
+    views = iter(())
+    if lists:
+        index = torch.tensor([i for rows in lists for i in rows], dtype=torch.int64).to(device)
+        views = iter(index.split([len(rows) for rows in lists]))
+    top_k = COL["top_k"]
+    bounds = []
+    for stages, rows in by_stages.items():
         ks = [int(rows_info[i].values[top_k]) for i in rows if not params[i].is_greedy]
-        bound = max(ks) if st.TOP_K in stages and ks and min(ks) > 0 else 0
-        groups.append(StageGroup(stages, index, bound))
-    return groups
+        bounds.append(max(ks) if st.TOP_K in stages and ks and min(ks) > 0 else 0)
+    groups = [StageGroup(stages, None if len(rows) == num_rows else next(views), bound)
+              for stages, bound, rows in zip(by_stages, bounds, by_stages.values(), strict=True)]
+    slots = [[StageGroup(unit, next(views)) for unit in step] for step in slot_rows] if use_slots else None
+    fused = None
+    plan = _fused_plan(params, rows_info, by_stages, bounds, vocab_size) if by_stages else None
+    if plan is not None:
+        codes = np.array([r.codes for r in rows_info], dtype=np.int32)
+        codes = codes[:, : max(1, int((codes != 0).sum(axis=1).max()))]
+        history = [StageGroup(tuple(s for s in g.stages if s in HISTORY_STAGES), g.rows) for g in groups]
+        fused = FusedChain([g for g in history if g.stages], torch.from_numpy(codes).to(device), *plan)
+    return groups, slots, fused

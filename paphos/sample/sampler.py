@@ -7,8 +7,10 @@ Pipeline, per row and independent of batch companions (contract §4.1):
   -> the ordered chain, per group of rows sharing an order (metadata.py), each stage one op under
      ops/ that is the identity for neutral values and runs only when some row of the group uses it;
      from a top-k with a host-known bound on, the chain runs on compacted [R, C] candidates
-     (fast/compact.py); a batch-wide (temperature, top-p, min-p) group runs one fused kernel on
-     CUDA (fast/dense_tail.py)
+     (fast/compact.py); a batch-wide (temperature, top-p, min-p) group runs fused kernels on
+     CUDA (fast/dense_tail.py); many orders over few stages run by slot (metadata.py); on CUDA a
+     batch with a `fused` plan runs its history stages, then one kernel from top-k to the draw,
+     every row in its own order (fast/chain.py)
   -> skew -> select: greedy rows take the argmax; the others the exponential race with their own
      counter-based per-token uniforms (fast/race.py); mirostat rows then update their mu.
 There is no host<->device synchronisation in here: the caller reads the sampled ids back once.
@@ -17,12 +19,14 @@ There is no host<->device synchronisation in here: the caller reads the sampled 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from paphos.sample import order as st
+from paphos.sample.fast import chain as fused_chain
 from paphos.sample.fast import compact as fast_compact
 from paphos.sample.fast import dense_tail
 from paphos.sample.fast.race import race, step_keys
@@ -54,6 +58,10 @@ from paphos.sample.rng import uniforms
 
 # Uniforms per row per step: 0 = the draw, 1 = the XTC coin.
 NUM_DRAWS = 2
+logger = logging.getLogger(__name__)
+# device -> whether the fused chain kernel gave the unfused fast path's tokens on its first batch
+# there (checked once per process and device; a disagreement turns the fused path off there)
+_FUSED_AGREES: dict[str, bool] = {}
 
 
 @dataclass
@@ -171,15 +179,23 @@ def _chain_group(x: torch.Tensor, md: SamplingMetadata, group: StageGroup, coins
     return x, ids
 
 
-def run_chain(logits: torch.Tensor, md: SamplingMetadata, coins: torch.Tensor | None) -> torch.Tensor:
-    """The ordered chain for every group of rows, on the full vocabulary (the reference form)."""
-    for group in md.groups:
-        sub, _ = _chain_group(logits if group.rows is None else logits[group.rows], md, group, coins, False)
+def _run_groups(logits: torch.Tensor, md: SamplingMetadata, groups: list[StageGroup], coins: torch.Tensor | None,
+                compact: bool) -> torch.Tensor:
+    """Each group's chain on its rows (disjoint), results back in [R, V]."""
+    for group in groups:
+        sub, sub_ids = _chain_group(logits if group.rows is None else logits[group.rows], md, group, coins, compact)
+        if sub_ids is not None:
+            sub = fast_compact.expand(sub, sub_ids, md.vocab_size)
         if group.rows is None:
             logits = sub
         else:
             logits[group.rows] = sub
     return logits
+
+
+def run_chain(logits: torch.Tensor, md: SamplingMetadata, coins: torch.Tensor | None) -> torch.Tensor:
+    """The ordered chain for every group of rows, on the full vocabulary (the reference form)."""
+    return _run_groups(logits, md, md.groups, coins, False)
 
 
 def apply_pre_chain(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -230,6 +246,30 @@ class Sampler:
 
     def _select(self, work: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chain, skew and the choice (greedy argmax / race) on the pre-chained logits."""
+        if self.fast and not md.all_greedy and fused_chain.applicable(md, work):
+            device = str(work.device)
+            agrees = _FUSED_AGREES.get(device)
+            if agrees:
+                return self._fused(work, md), None
+            if agrees is None:
+                fused = self._fused(work.clone(), md)
+                sampled, new_mu = self._unfused(work, md)
+                differ = int((fused != sampled).sum())
+                # a token on a float32 rounding boundary may move (chain.py); more means a fault
+                _FUSED_AGREES[device] = differ <= max(1, sampled.numel() // 100)
+                if not _FUSED_AGREES[device]:
+                    logger.warning("fused sampler chain disagrees with the ops on %d of %d rows on %s; not used",
+                                   differ, sampled.numel(), device)  # fmt: skip
+                return sampled, new_mu
+        return self._unfused(work, md)
+
+    @staticmethod
+    def _fused(work: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        assert md.fused is not None
+        work = _run_groups(work, md, md.fused.history, None, False)
+        return fused_chain.sample(work, md, NUM_DRAWS)
+
+    def _unfused(self, work: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = None if md.all_greedy else step_keys(md.seeds, md.positions, NUM_DRAWS)
         if self.fast and step is not None and dense_tail.applicable(md, work):
             return dense_tail.sample(work, md, step), None
@@ -237,19 +277,14 @@ class Sampler:
         if any(st.XTC in g.stages for g in md.groups):
             coins = uniforms(md.seeds, md.positions, NUM_DRAWS)[:, 1]
         ids = None
-        if len(md.groups) == 1 and md.groups[0].rows is None:
+        if self.fast and md.slots is not None:
+            for entries in md.slots:
+                work = _run_groups(work, md, entries, coins, False)
+            values = work
+        elif len(md.groups) == 1 and md.groups[0].rows is None:
             values, ids = _chain_group(work, md, md.groups[0], coins, self.fast)
         else:
-            for group in md.groups:
-                sub, sub_ids = _chain_group(work if group.rows is None else work[group.rows], md, group, coins,
-                                            self.fast)
-                if sub_ids is not None:
-                    sub = fast_compact.expand(sub, sub_ids, md.vocab_size)
-                if group.rows is None:
-                    work = sub
-                else:
-                    work[group.rows] = sub
-            values = work
+            values = _run_groups(work, md, md.groups, coins, self.fast)
         if md.skew:
             values = apply_skew(values, md.col("skew"))
         if step is None:

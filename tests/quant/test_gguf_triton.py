@@ -24,6 +24,7 @@ from paphos.quant.gguf.kernels import GGUFShard
 from tests.quant.gguf_blocks import random_blocks, weight_scale
 
 _MODULE = "paphos.quant.gguf.triton_gguf"
+_GEMV = "paphos.quant.gguf.triton_gemv"
 
 
 def _reimport(interpret: bool) -> bool:
@@ -35,7 +36,8 @@ def _reimport(interpret: bool) -> bool:
     try:
         module = sys.modules.get(_MODULE) or importlib.import_module(_MODULE)
         if isinstance(module._fused_kernel, InterpretedFunction) != interpret:
-            importlib.reload(module)  # rebinds the kernel globals in place
+            importlib.reload(sys.modules[_GEMV])  # rebinds the kernel globals in place
+            importlib.reload(module)
             return True
         return False
     finally:
@@ -101,6 +103,49 @@ def test_fused_kernel_matches_reference(tg, type_name: str) -> None:  # noqa: AN
             got = tg.fused_matmul(x, [seg], N, [cfg])
             assert got.dtype == torch.bfloat16 and got.shape == (m, N)
             assert _rel(got, ref) < 1e-2, (type_name, m, cfg)
+
+
+@pytest.mark.parametrize("type_name", PRIORITY + OTHERS)
+def test_batch1_gemv_matches_reference(tg, type_name: str) -> None:  # noqa: ANN001
+    """The M == 1 path (triton_gemv for linear formats, the fused kernel for the others): odd
+    rows, several row blocks and warps, K chunks that do and do not divide K (K = 1280)."""
+    k = 1280
+    raw = _raw(type_name, N, k, 4)
+    seg = tg.Segment(type_name, 0, N, k, tg.repack(raw, type_name))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ref = tg.reference_matmul(raw, type_name, x)
+    got = tg.gemv_matmul(x, [seg], N)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, N)
+    assert _rel(got, ref) < 1e-2
+    gemv = sys.modules[_GEMV]
+    if not gemv.supports(seg.fmt):
+        assert type_name in ("Q3_K", "IQ4_NL", "IQ4_XS")
+        return
+    exact = x.float() @ dequantize(raw, type_name).t()
+    for block_n, warps, chunk in ((1, 1, None), (8, 2, 512), (2, 4, 1024)):
+        out = torch.empty(N, dtype=torch.float32)
+        gemv.gemv(x[0].float(), seg, out, block_n, warps, chunk, int8_x=False)
+        # exact dequantized weights, float32 products and sums: only the summation order differs
+        assert _rel(out, exact) < 1e-5, (block_n, warps, chunk)
+    if not gemv.integer_dots(seg.fmt):
+        assert type_name not in ("Q4_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0")
+        return
+    # Integer dots: the exact product of the dequantized weights with x in two int8 parts per tile
+    # group, x = dx * (q1 + q2 / 254), dx = max|x| / 127, as a numpy reference computes it (float32
+    # steps as the kernel takes them: bf16 x lands on exact halves often, so roundings decide ties).
+    xt = x.float().reshape(-1, seg.fmt.tile_values).numpy()
+    amax = np.abs(xt).max(axis=1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    v = (xt * inv).astype(np.float32)
+    q1 = np.round(v)
+    q2 = np.round(((v - q1) * np.float32(254)).astype(np.float32))
+    xq = (amax * np.float32(1 / 127)) * (q1 + q2 / np.float32(254))
+    quantized_x = torch.from_numpy(xq.reshape(1, -1).astype(np.float32)) @ dequantize(raw, type_name).t()
+    for block_n, warps, rows_per_program in ((1, 1, 3), (4, 2, None), (2, 4, 16)):
+        out = torch.empty(N, dtype=torch.float32)
+        gemv.gemv(x[0].float(), seg, out, block_n, warps, None, True, rows_per_program)
+        assert _rel(out, quantized_x) < 1e-5, (block_n, warps, rows_per_program)
+        assert _rel(out, exact) < 1e-4  # 15 bits of x
 
 
 def _merged_layer(tg, types: tuple[str, ...], rows: tuple[int, ...]) -> tuple[nn.Module, tuple, torch.Tensor]:  # noqa: ANN001

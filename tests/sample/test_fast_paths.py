@@ -24,7 +24,7 @@ from paphos.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def kernels() -> Iterator[object]:
+def interpreted() -> Iterator[object]:
     """paphos.sample.fast.kernels imported under the interpreter (re-imported if it was compiled)."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -39,10 +39,16 @@ def kernels() -> Iterator[object]:
         os.environ.pop("TRITON_INTERPRET")
     else:
         os.environ["TRITON_INTERPRET"] = previous
-    with module.force_kernels():
-        yield module
+    yield module
     if reloaded:
         importlib.reload(sys.modules[name])
+
+
+@pytest.fixture
+def kernels(interpreted) -> Iterator[object]:
+    """The kernels forced on CPU tensors for one test (the others run the torch formulations)."""
+    with interpreted.force_kernels():
+        yield interpreted
 
 
 def logits_cases(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -56,28 +62,33 @@ def logits_cases(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return x
 
 
-def test_row_stats_kernel(kernels) -> None:
+@pytest.mark.parametrize("block", [None, 64])
+def test_row_stats_kernel(kernels, block: int | None) -> None:
     x = logits_cases(6, 700, 0)
-    amax, arg, lse = kernels.row_stats(x)
+    x[5] = -math.inf  # no finite entry: max and logsumexp -inf, argmax 0
+    amax, arg, lse = kernels.row_stats(x, block)
     assert torch.equal(amax, x.amax(-1))
     assert torch.equal(arg, x.argmax(-1))
     torch.testing.assert_close(lse, x.logsumexp(-1), rtol=1e-5, atol=1e-5)
 
 
-def test_race_kernel_matches_torch(kernels) -> None:
+@pytest.mark.parametrize("block", [None, 64])
+def test_race_kernel_matches_torch(kernels, block: int | None) -> None:
     from paphos.sample.fast import race as race_mod
 
     x = logits_cases(6, 700, 1)
     step = race_mod.step_keys(torch.arange(6) * 11, torch.arange(6), 2)
-    got = kernels.race(x, step)
+    got = kernels.race(x, step, block)
     with kernels.force_kernels(False):
         want = race_mod.race(x, step)
     assert torch.equal(got, want)
     assert torch.isfinite(x.gather(1, got.unsqueeze(1))).all()
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_tail_kernel_survivors_and_tokens_match_the_ops(kernels, seed: int) -> None:
+# (seed, cap, block): the bracket gathered by the tiles and sorted (large cap), narrowed in one
+# program first (cap 16, 4 pivots: the bracket search and the tie path both run), one or many tiles.
+@pytest.mark.parametrize(("seed", "cap", "block"), [(0, 16, None), (1, 16, 64), (0, 256, 64), (1, 256, None)])
+def test_tail_kernel_survivors_and_tokens_match_the_ops(kernels, seed: int, cap: int, block: int | None) -> None:
     from paphos.sample.fast import race as race_mod
 
     rows, vocab = 8, 600
@@ -86,8 +97,7 @@ def test_tail_kernel_survivors_and_tokens_match_the_ops(kernels, seed: int) -> N
     top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.3, 0.99, 0.6, 1.0])
     min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0, 0.02, 0.0, 0.0])  # last row neutral
     step = race_mod.step_keys(torch.arange(rows) + 100 * seed, torch.arange(rows), 2)
-    # A small bucket (cap 16, 4 pivots) so the bracket search and the tie path both run.
-    tok, arg, last_v, last_id = kernels.tail(x, temp, top_p, min_p, step, cap=16, pivots=4)
+    tok, arg, last_v, last_id = kernels.tail(x, temp, top_p, min_p, step, cap=cap, pivots=4, block=block)
     xs = x / temp.unsqueeze(1)
     ref = apply_min_p(apply_top_k_top_p(xs.clone(), None, top_p), min_p)
     ids = torch.arange(vocab)
@@ -196,3 +206,143 @@ def test_greedy_only_fast_path() -> None:
     assert torch.equal(out.sampled_token_ids, x.float().argmax(-1))
     torch.testing.assert_close(out.sampled_logprobs, x.float().log_softmax(-1).gather(1, out.sampled_token_ids[:, None])
                                .squeeze(1))
+
+
+def test_rows_with_their_own_orders_run_by_slot_and_match_the_groups() -> None:
+    """Every row its own sampler_priority (few stages, many orders): the fast form runs the chain by
+    slot, the reference one group per order; same tokens, alone and in the batch."""
+    gen = torch.Generator().manual_seed(11)
+    params = []
+    for i in range(24):
+        order = torch.randperm(14, generator=gen).tolist()
+        params.append(SamplingParams(seed=i, temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, top_a=0.05,
+                                     xtc_probability=0.5, xtc_threshold=0.05, sampler_priority=order))
+    params[5] = SamplingParams(temperature=0, repetition_penalty=1.2)
+    hist = histories(24, 3)
+    md = build(params, 3, hist)
+    assert md.slots is not None and len(md.groups) > 10
+    assert 2 * sum(len(step) for step in md.slots) <= sum(len(g.stages) for g in md.groups)
+    x = logits_cases(24, VOCAB, 3)
+    fast = Sampler()(x.clone(), md).sampled_token_ids
+    assert torch.equal(fast, Sampler(fast=False)(x.clone(), md).sampled_token_ids)
+    for i in (0, 5, 17):
+        alone = Sampler()(x[i:i + 1].clone(), build([params[i]], 3, [hist[i]])).sampled_token_ids
+        assert int(alone[0]) == int(fast[i])
+
+
+def test_prefix_stats_kernel(kernels) -> None:
+    from paphos.sample.ops.common import entropy
+
+    x = logits_cases(6, 700, 2)
+    stats = kernels.prefix_stats(x, 64)
+    finite = torch.isfinite(x)
+    assert torch.equal(stats[:, 0], finite.sum(-1).float())
+    torch.testing.assert_close(stats[:, 1], entropy(x), rtol=1e-5, atol=1e-5)
+    std = torch.stack([row[ok].std(unbiased=False) for row, ok in zip(x, finite, strict=True)])
+    torch.testing.assert_close(stats[:, 2], std, rtol=1e-5, atol=1e-5)
+
+
+# Orders the fused chain takes (history stages first): default, temperature last, top-nσ before a
+# static temperature, and the set stages after top-k in a custom order.
+HISTORY_IDS = [7, 6, 8]
+FUSED_ORDERS = (
+    {}, {"temperature_last": True},
+    {"sampler_priority": [*HISTORY_IDS, 9, 5, 0], "dynatemp_min": 0, "dynatemp_max": 0},
+    {"sampler_priority": [*HISTORY_IDS, 5, 0, 13, 3, 4, 1, 2, 12, 9]},
+)
+
+
+def fused_params(n: int) -> list[SamplingParams]:
+    """Every sampler on, in the orders above, top_k 1, 3, 5, ...; every fifth row greedy."""
+    params = []
+    for i in range(n):
+        if i % 5 == 4:
+            p = SamplingParams(temperature=0, repetition_penalty=1.2)
+        else:
+            p = SamplingParams(seed=i, **{**EVERY, "top_k": 1 + 2 * i, **FUSED_ORDERS[i % len(FUSED_ORDERS)]})
+        p.dry_breaker_ids = [0]
+        params.append(p)
+    return params
+
+
+@pytest.fixture
+def narrow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few candidates per row (k + max(k, 8)): the interpreter's tl.sort is slow on wide rows."""
+    from paphos.sample.fast import compact
+
+    monkeypatch.setattr(compact, "MIN_SLACK", 8)
+
+
+@pytest.fixture
+def fused_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused chain taken from the first batch on (past the sampler's first-batch agreement check)."""
+    from paphos.sample import sampler
+
+    monkeypatch.setattr(sampler, "_FUSED_AGREES", {"cpu": True})
+
+
+def test_fused_chain_checks_itself_on_its_first_batch(kernels, narrow, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    from paphos.sample import sampler
+
+    params = fused_params(8)
+    x = logits_cases(8, VOCAB, 1)
+    monkeypatch.setattr(sampler, "_FUSED_AGREES", {})
+    first = Sampler()(x.clone(), build(params, 1)).sampled_token_ids
+    assert sampler._FUSED_AGREES == {"cpu": True}  # a correct kernel: used from the next batch
+    calls = []
+
+    def broken(work: torch.Tensor, md: object, draws: int) -> torch.Tensor:
+        calls.append(1)
+        return torch.zeros(work.shape[0], dtype=torch.long)
+
+    monkeypatch.setattr(sampler.fused_chain, "sample", broken)
+    monkeypatch.setattr(sampler, "_FUSED_AGREES", {})
+    with caplog.at_level("WARNING"):
+        again = Sampler()(x.clone(), build(params, 1)).sampled_token_ids
+    assert torch.equal(again, first) and sampler._FUSED_AGREES == {"cpu": False}
+    assert "disagrees" in caplog.text
+    Sampler()(x.clone(), build(params, 1))
+    assert len(calls) == 1  # never again on this device
+
+
+def test_fused_chain_gives_the_reference_tokens(kernels, narrow, fused_on) -> None:
+    params = fused_params(8)
+    md = build(params, 1)
+    assert md.fused is not None and md.fused.prefix_stats
+    x = logits_cases(8, VOCAB, 1)
+    for _ in range(2):  # two output positions: other draws and XTC coins
+        fast = Sampler()(x.clone(), md)
+        with kernels.force_kernels(False):
+            ref = Sampler(fast=False)(x.clone(), md)
+        assert torch.equal(fast.sampled_token_ids, ref.sampled_token_ids)
+        md.positions = md.positions + 1
+
+
+def test_fused_rows_reproduce_alone_and_in_a_batch(kernels, narrow, fused_on) -> None:
+    params = fused_params(8)
+    hist = histories(8, 5)
+    x = logits_cases(8, VOCAB, 5)
+    together = Sampler()(x.clone(), build(params, 5, hist)).sampled_token_ids
+    for i in (2, 4):
+        alone = Sampler()(x[i:i + 1].clone(), build([params[i]], 5, [hist[i]])).sampled_token_ids
+        assert int(alone[0]) == int(together[i])
+
+
+def test_fused_plan_codes_and_refusals() -> None:
+    from paphos.sample import order as st
+    from paphos.sample.fast.kernels import CHAIN_CODE
+
+    params = fused_params(6)
+    md = build(params, 0)
+    assert md.fused is not None and md.fused.bound == 11
+    for row, p in enumerate(params):
+        codes = [c for c in md.fused.codes[row].tolist() if c]
+        # Greedy rows run no chain stage; the others all of them (every one enabled), in their order.
+        assert codes == ([] if p.is_greedy else [CHAIN_CODE[s] for s in p.order if s in CHAIN_CODE])
+    assert {s for g in md.fused.history for s in g.stages} == {st.DRY, st.PENALTIES, st.NO_REPEAT_NGRAM}
+    # A truncation before top-k, mirostat, a sampling row without top-k, dynatemp after top-nσ, a
+    # history stage after the chain.
+    for change in ({"sampler_priority": [*HISTORY_IDS, 1, 0]}, {"mirostat_mode": 2}, {"top_k": 0},
+                   {"sampler_priority": [*HISTORY_IDS, 9, 5]}, {"sampler_priority": [0]}):
+        assert build([SamplingParams(seed=0, **{**EVERY, **change})], 0).fused is None

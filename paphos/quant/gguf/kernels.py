@@ -4,8 +4,8 @@ Data flow: `GGUFLinearMethod.process_weights_after_loading` -> `select_kernel(sh
 dtype)`: the first class of `KERNELS` whose `can_implement` accepts the layer wins (design.md §7;
 the choice is logged once per distinct outcome) -> `kernel.prepare(layer)` repacks the raw blocks
 once -> `kernel.apply(layer, x)` on every forward. The GPU kernel (`TritonGGUFKernel`,
-triton_gguf.py: fused dequant x matmul up to FUSED_MAX_TOKENS tokens per step, dequantize into a
-shared scratch buffer + cuBLAS above) is at the front of `KERNELS`; it repacks the raw blocks into
+triton_gguf.py: a batch-1 GEMV (triton_gemv.py), fused dequant x matmul up to FUSED_MAX_TOKENS
+tokens per step, dequantize into a shared scratch buffer + cuBLAS above) is at the front of `KERNELS`; it repacks the raw blocks into
 planes of the same size (+<4% for K-quant scales) and checks itself once per type at start-up
 against the torch reference, falling back to dequantize-at-load if it fails. A weight that only
 serves row lookups (an untied token embedding) takes `select_embedding_kernel` instead (Triton

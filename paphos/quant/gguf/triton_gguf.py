@@ -1,10 +1,12 @@
-"""Triton kernels for GGUF weights on CUDA: fused dequant x matmul for few tokens per step, and
-dequantize-to-scratch + cuBLAS for long prefill chunks.
+"""Triton kernels for GGUF weights on CUDA: a GEMV for one token (triton_gemv.py), fused dequant x
+matmul for a few tokens per step, and dequantize-to-scratch + cuBLAS for long prefill chunks.
 
 Data flow: `select_kernel` (kernels.py) picks `TritonGGUFKernel` for a CUDA layer in bf16/fp16
 whose shards all have a format in `FORMATS` -> `prepare` repacks each run of same-type shards (a
 "segment": q|k of Q4_K and v of Q6_K are two) from the raw blocks into planes (below) and frees the
-raw blocks -> `apply(x)`:
+raw blocks -> `apply(x)` -> `matmul`:
+  - M == 1 (batch-1 decode, the head of one sampled row): `gemv_matmul`, triton_gemv's kernel for
+    every linear format (the fused kernel below for IQ4 and Q3_K segments).
   - M <= FUSED_MAX_TOKENS rows: `_fused_kernel`, one launch per segment; each program owns BLOCK_N
     output rows and a slice of K (split-K), reads its packed planes once and accumulates in fp32;
     M == 1 multiplies and sums on the CUDA cores, 1 < M uses `tl.dot` on the dequantized bf16 tile
@@ -19,10 +21,13 @@ raw blocks -> `apply(x)`:
     percent of it, and cuBLAS is a better GEMM than a Triton one carrying dequantization in its
     inner loop; the crossover is measured by benchmarks/bench_gguf_gpu.py (`crossover`).
 
-Planes (the repacked layout; codes in natural value order along K, every plane row-major [N, ...]):
+Planes (the repacked layout; every plane row-major [N, ...]):
   lo    the low LO bits of each code: int32 words of 32/LO codes (code i of a word at bits LO*i),
-        or int8 codes themselves when LO == 8 (Q8_0)
-  hi    the HI high bits (HI = 1 or 2) as int32 words, placed above lo: code = lo | hi << LO
+        or int8 codes themselves when LO == 8 (Q8_0); codes in "tile order": K is cut into tile
+        groups of T = `tile_words` words (T = 4, or fewer when a scale group has fewer words),
+        and code p of word w of a group is value p * T + w of the group (`_tile_order`)
+  hi    the HI high bits (HI = 1 or 2) as int32 words in the same order as lo's codes, placed
+        above lo: code = lo | hi << LO
   sc    per group of SG values: the fp16 scale d (SCALE 0), or an int8 (SCALE 1) / uint8 (SCALE 2)
         integer scale multiplied by the per-256 fp16 super-scale `sd`; Q2_K packs scale (low
         nibble) and min (high nibble) in this byte (SCMIN_NIB)
@@ -47,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.quant.gguf import triton_gemv
 from paphos.quant.gguf.blocks import bits, nibbles, u16, u32
 from paphos.quant.gguf.dequant import IQ4_KVALUES, _k_scale_min, _q4_k_values, dequantize
 
@@ -77,6 +83,15 @@ class Format:
     lut: bool = False  # IQ4 non-linear levels
     scmin_nib: bool = False  # Q2_K: scale and min nibbles share the sc byte
     block: int = 32  # values per GGUF block (K must be a multiple)
+
+    @property
+    def tile_words(self) -> int:
+        """Low-plane words of a tile group (at most 16 bytes: one vector load per thread)."""
+        return max(1, min(4, self.sg * self.lo // 32))
+
+    @property
+    def tile_values(self) -> int:
+        return self.tile_words * 32 // self.lo
 
 
 FORMATS: dict[str, Format] = {
@@ -173,7 +188,7 @@ def repack(raw: torch.Tensor, type_name: str, chunk_rows: int = 4096) -> dict[st
         chunk = raw[r0 : r0 + chunk_rows]
         r = chunk.shape[0]
         fields = _codes_and_scales(chunk.reshape(-1, _type_size(type_name)), type_name)
-        q = fields["q"].reshape(r, -1)
+        q = _tile_order(fields["q"].reshape(r, -1), fmt)
         planes = {}
         if fmt.lo == 8:
             planes["lo"] = q.to(torch.int8)
@@ -187,6 +202,17 @@ def repack(raw: torch.Tensor, type_name: str, chunk_rows: int = 4096) -> dict[st
         for name, t in planes.items():
             parts.setdefault(name, []).append(t)
     return {name: torch.cat(ts) for name, ts in parts.items()}
+
+
+def _tile_order(q: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Codes [R, K] in natural order -> stored order: in each tile group of T = tile_words words,
+    stored code p of word w is value p * T + w of the group, so that for a fixed p the T words
+    of a group hold T consecutive values (one vector of x per code position, see triton_gemv)."""
+    t = fmt.tile_words
+    if t == 1:
+        return q
+    r, k = q.shape
+    return q.reshape(r, k // fmt.tile_values, 32 // fmt.lo, t).transpose(-1, -2).reshape(r, k)
 
 
 def _type_size(type_name: str) -> int:
@@ -227,48 +253,33 @@ if triton is not None:
         """fp32 weights [BN, BK] of rows `rows`, values k0 .. k0 + BK."""
         r = rows.to(tl.int64)[:, None]
         m2 = row_mask[:, None]
+        # codes in stored order (contiguous loads), then back to value order (`_tile_order`)
+        kk = k0 + tl.arange(0, BK)
         if LO == 8:
-            kk = k0 + tl.arange(0, BK)
             q = tl.load(lo_ptr + r * K + kk[None, :], mask=m2, other=0).to(tl.int32)
         else:
-            NW: tl.constexpr = BK * LO // 32
-            wi = k0 * LO // 32 + tl.arange(0, NW)
-            words = tl.load(lo_ptr + r * (K * LO // 32) + wi[None, :], mask=m2, other=0)
-            q = _unpack(words, BN, BK, LO)
+            wi = k0 * LO // 32 + tl.arange(0, BK * LO // 32)
+            q = _unpack(tl.load(lo_ptr + r * (K * LO // 32) + wi[None, :], mask=m2, other=0), BN, BK, LO)
         if HI > 0:
-            NH: tl.constexpr = BK * HI // 32
-            hi_i = k0 * HI // 32 + tl.arange(0, NH)
+            hi_i = k0 * HI // 32 + tl.arange(0, BK * HI // 32)
             hw = tl.load(hi_ptr + r * (K * HI // 32) + hi_i[None, :], mask=m2, other=0)
             q = q | (_unpack(hw, BN, BK, HI) << LO)
+        TW: tl.constexpr = 1 if SG * LO < 32 else (4 if SG * LO >= 128 else SG * LO // 32)
+        if TW > 1:
+            PER: tl.constexpr = 32 // LO
+            q = tl.reshape(tl.permute(tl.reshape(q, (BN, BK // (TW * PER), TW, PER)), (0, 1, 3, 2)), (BN, BK))
         if LUT:
             v = tl.load(lut_ptr + q)
         else:
             v = (q - OFF).to(tl.float32)
         NG: tl.constexpr = BK // SG
         gi = k0 // SG + tl.arange(0, NG)
-        sc = tl.load(sc_ptr + r * (K // SG) + gi[None, :], mask=m2, other=0)
-        if SCMIN_NIB:
-            sc_int = sc.to(tl.int32) & 15
-        else:
-            sc_int = sc
-        if SCALE == 0:
-            s = sc_int.to(tl.float32)
-        else:
-            si = gi // (256 // SG)
-            sd = tl.load(sd_ptr + r * (K // 256) + si[None, :], mask=m2, other=0).to(tl.float32)
-            s = sd * sc_int.to(tl.float32)
+        s, m = triton_gemv.group_scale_min(
+            sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, gi, m2, K // SG, K // 256, SG, SCALE, MINK, SCMIN_NIB
+        )
         w = v * _expand(s, BN, SG, BK)
-        if MINK == 1:
-            mn = tl.load(mn_ptr + r * (K // SG) + gi[None, :], mask=m2, other=0).to(tl.float32)
-            w = w + _expand(mn, BN, SG, BK)
-        elif MINK == 2:
-            si2 = gi // (256 // SG)
-            smin = tl.load(smin_ptr + r * (K // 256) + si2[None, :], mask=m2, other=0).to(tl.float32)
-            if SCMIN_NIB:
-                mq = (sc.to(tl.int32) >> 4).to(tl.float32)
-            else:
-                mq = tl.load(mn_ptr + r * (K // SG) + gi[None, :], mask=m2, other=0).to(tl.float32)
-            w = w - _expand(smin * mq, BN, SG, BK)
+        if MINK > 0:
+            w = w + _expand(m, BN, SG, BK)
         return w
 
     @triton.jit
@@ -489,6 +500,67 @@ def make_segments(weight: torch.Tensor, shards: tuple[GGUFShard, ...], k: int) -
     return segments
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = triton_gemv.DEFAULT_BLOCK_N
+    num_warps: int = triton_gemv.DEFAULT_WARPS
+    chunk: int | None = None  # float codes: values of K per iteration (None: one tile group per thread)
+    int8_x: bool | None = None  # None: integer dots where the format allows (triton_gemv.integer_dots)
+    rows_per_program: int | None = None  # integer dots: rows per program (None: 4 * block_n)
+
+
+# (type, N, K) -> the batch-1 GEMV's launch configuration, filled by the benchmark's sweep.
+GEMV_CONFIGS: dict[tuple[str, int, int], GemvConfig] = {}
+# Float-code formats: the configuration that won on most Llama-3-8B shapes on the H200
+# (bench_gguf_gpu.py `gemv`): one row per program (registers go to the high-bit planes).
+GEMV_FLOAT_DEFAULTS: dict[str, GemvConfig] = {
+    "Q5_K": GemvConfig(1, 2), "Q5_0": GemvConfig(1, 2), "Q5_1": GemvConfig(1, 2), "Q2_K": GemvConfig(1, 4),
+}  # fmt: skip
+
+
+def default_gemv_config(type_name: str, rows: int, k: int) -> GemvConfig:
+    """By rule where the benchmark's sweep has not tuned the shape (H200, Llama-3-8B shapes):
+    integer dots take 2 rows per step, 8 rows per program on narrow weights (more programs) and 16
+    on wide ones; past 512 tile groups of K (Q8_0's down projection) x fills the registers, so 1
+    row per step and 4 per program."""
+    fmt = FORMATS[type_name]
+    if not triton_gemv.integer_dots(fmt):
+        return GEMV_FLOAT_DEFAULTS.get(type_name, GemvConfig(1, 4))
+    if k // fmt.tile_values > 512:
+        return GemvConfig(1, 4, rows_per_program=4)
+    if rows <= 8192:
+        return GemvConfig(2, 2, rows_per_program=8)
+    return GemvConfig(2, 4, rows_per_program=16)
+
+
+def matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
+    """x [M, K] (contiguous) -> [M, n_total] in x's dtype: the GEMV at one token, the fused kernel
+    up to FUSED_MAX_TOKENS tokens, dequantize + cuBLAS above."""
+    if x.shape[0] == 1:
+        return gemv_matmul(x, segments, n_total)
+    if x.shape[0] <= FUSED_MAX_TOKENS:
+        return fused_matmul(x, segments, n_total)
+    return dequant_matmul(x, segments, n_total)
+
+
+def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
+    """x [1, K] -> [1, n_total]: triton_gemv for every segment of a format it supports, the fused
+    kernel for the others (IQ4 look-up tables, Q3_K)."""
+    out = torch.empty(1, n_total, dtype=x.dtype, device=x.device)
+    for seg in segments:
+        dst = out[0, seg.row_start : seg.row_start + seg.rows]
+        if triton_gemv.supports(seg.fmt):
+            cfg = GEMV_CONFIGS.get((seg.type_name, seg.rows, seg.k)) or default_gemv_config(
+                seg.type_name, seg.rows, seg.k
+            )
+            triton_gemv.gemv(
+                x[0], seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x, cfg.rows_per_program
+            )
+        else:
+            dst.copy_(fused_matmul(x, [seg], seg.rows)[0])
+    return out
+
+
 def fused_matmul(
     x: torch.Tensor, segments: list[Segment], n_total: int, configs: list[KernelConfig] | None = None
 ) -> torch.Tensor:
@@ -612,7 +684,7 @@ def _self_check(seg: Segment, dtype: torch.dtype) -> bool:
         for m in (1, 5, 16):
             x = torch.randn(m, seg.k, device=dev, generator=gen).to(dtype)
             ref = x.float() @ w.t()
-            got = fused_matmul(x, [sub], rows).float()
+            got = matmul(x, [sub], rows).float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             if not err <= 1e-2:
                 logger.warning("GGUF %s Triton kernel: relative error %.3g at M=%d", seg.type_name, err, m)
@@ -675,10 +747,7 @@ class TritonGGUFKernel:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is not None:
             return self.fallback.apply(layer, x)
-        x = x.contiguous()
-        if x.shape[0] <= FUSED_MAX_TOKENS:
-            return fused_matmul(x, self.segments, self.n_total)
-        return dequant_matmul(x, self.segments, self.n_total)
+        return matmul(x.contiguous(), self.segments, self.n_total)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a one-segment weight (an embedding), dequantized: [*ids.shape, K]."""

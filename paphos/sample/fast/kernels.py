@@ -1,8 +1,18 @@
-"""Triton kernels of the sampler fast paths, one program per row (rows are independent).
+"""Triton kernels of the sampler fast paths; each row's vocabulary is split over many programs.
 
-Each kernel has a torch formulation next to its caller (rowstats.py, race.py, dense_tail.py): the
-torch code is the CPU path and the reference the tests compare against. Kernels run on CUDA
-tensors; tests force them on CPU tensors under the Triton interpreter (`force_kernels`).
+Each kernel has a torch formulation next to its caller (rowstats.py, race.py, dense_tail.py,
+chain.py): the torch code is the CPU path and the reference the tests compare against. Kernels run
+on CUDA tensors; tests force them on CPU tensors under the Triton interpreter (`force_kernels`).
+
+Layout: a row of V logits is cut into NB tiles of BLOCK columns; full passes run on a grid
+(rows, NB), one tile per program, and write per-tile partials [R, NB, ...] that a one-program-
+per-row kernel (or the next pass) combines in a fixed order. A batch-1 step of a 128k vocabulary
+then spreads over ~128 SMs instead of one, and every reduction has the same order whatever the
+batch, so a seeded row draws the same token alone or among others. The fused chain (_chain_kernel)
+is one program per row: after top-k a row's candidates fit in registers, and its stages, each a
+full reduction over them, run back to back there without a launch or a memory round trip each. No launch depends on data
+known only on the device (no host sync); rare data-dependent work (a dense top-p bracket) runs
+inside a kernel that every row enters and most leave at once.
 
 Float keys: key(x) maps float32 to int32 monotonically (x < y <=> key(x) < key(y); -0.0 is
 canonicalised to +0.0 first so the two zeros tie as they do under float comparison).
@@ -14,6 +24,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+from paphos.sample import order as st
 
 try:
     import triton
@@ -38,6 +50,35 @@ def force_kernels(on: bool = True) -> Iterator[None]:
         yield
     finally:
         _FORCED = previous
+
+
+# Top-p histogram: NBINS bins of 1 nat of x / T below floor(row max), the last one open below.
+NBINS = 16
+TAIL_CAP = 2048  # bracket tokens sorted in registers to place the top-p boundary exactly
+TAIL_PIVOTS = 16
+TAIL_FIRST_STEP = 1.0  # nats between the fallback's first edges (while its bracket is open below)
+# Per-row state of the top-p search, written and read by the kernels at these fixed offsets:
+# int64 [R, STATE]: 0 lo, 1 hi (the bracket (lo, hi] in keys), 2 tokens in it (the gather's
+# atomic counter), 3 whether the row runs top-p, 4 and 5 the last kept (key, id);
+# float32 [R, FSTATE]: 0 row max of x / T, 1 p * total mass, 2 mass strictly above the bracket.
+STATE, FSTATE = 6, 3
+
+# Fused chain (_chain_kernel, sample/fast/chain.py). Per-row parameters: the first columns of
+# SamplingMetadata.columns, in this order. A row's stages: codes in its own order, 0 ends the list.
+CHAIN_PARAMS = (
+    "temperature", "dynatemp_min", "dynatemp_max", "dynatemp_exponent", "top_k", "top_p", "top_a", "min_p",
+    "tfs", "typical_p", "eta", "epsilon", "nsigma", "smoothing_factor", "smoothing_curve", "xtc_threshold",
+    "xtc_probability", "skew",
+)
+CHAIN_STAGES = (
+    st.TEMPERATURE, st.TOP_K, st.TOP_P, st.TOP_A, st.MIN_P, st.TFS, st.TYPICAL_P, st.ETA, st.EPSILON,
+    st.TOP_NSIGMA, st.QUADRATIC, st.XTC,
+)
+CHAIN_CODE = {stage: i + 1 for i, stage in enumerate(CHAIN_STAGES)}
+CHAIN_MAX_WIDTH = 1024  # candidates one program holds in registers (top_k <= 512)
+# Per-row statistics of the full vocabulary for stages before top-k ([R, PREFIX_STATS], float32):
+# finite count, entropy of the softmax, population std of the finite logits.
+PREFIX_STATS = 3
 
 
 if triton is not None:
@@ -66,140 +107,229 @@ if triton is not None:
         return -tl.log(-tl.log(u))
 
     @triton.jit
-    def _row_stats_kernel(x_ptr, stride, n_cols, max_ptr, arg_ptr, lse_ptr, BLOCK: tl.constexpr):
+    def _tile(x_ptr, stride, n_cols, t_ptr, BLOCK: tl.constexpr, SCALED: tl.constexpr):
+        """This program's tile (grid: rows x tiles): (row, tile index over the grid, columns,
+        values x or x / T rounded as torch's division, -inf past the row)."""
         row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
-        offs = tl.arange(0, BLOCK)
-        m = tl.full([], float("-inf"), tl.float32)
-        s = tl.zeros([], tl.float32)
-        arg = tl.zeros([], tl.int64)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offs
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            bm = tl.max(x, axis=0)
-            bi = tl.argmax(x, axis=0, tie_break_left=True)
-            new_m = tl.maximum(m, bm)
-            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-            s = s * tl.exp(m - safe) + tl.sum(tl.exp(x - safe), axis=0)
-            arg = tl.where(bm > m, (start + bi).to(tl.int64), arg)
-            m = new_m
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        if SCALED:
+            v = tl.math.div_rn(v, tl.load(t_ptr + row))
+        return row, row * tl.num_programs(1) + blk, cols, v
+
+    @triton.jit
+    def _stats_kernel(
+        x_ptr, stride, n_cols, t_ptr, pmax_ptr, parg_ptr, psum_ptr, pmass_ptr,
+        BLOCK: tl.constexpr, SCALED: tl.constexpr, BINS: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of v = x (or x / T, SCALED): max, first argmax, sum of exp(v - tile max); with
+        BINS > 0 also that mass per 1-nat bin below floor(tile max), the last bin open below."""
+        row, out, cols, v = _tile(x_ptr, stride, n_cols, t_ptr, BLOCK, SCALED)
+        bm = tl.max(v, axis=0)
+        safe = tl.where(bm == float("-inf"), 0.0, bm)
+        e = tl.exp(v - safe)
+        tl.store(pmax_ptr + out, bm)
+        tl.store(parg_ptr + out, tl.program_id(1) * BLOCK + tl.argmax(v, axis=0, tie_break_left=True).to(tl.int64))
+        tl.store(psum_ptr + out, tl.sum(e, axis=0))
+        if BINS > 0:
+            # Bins on an absolute grid (floor of the value), so tiles combine by a shift.
+            depth = tl.minimum(tl.floor(safe) - tl.floor(v), BINS - 1.0)
+            bins = tl.arange(0, BINS)
+            mass = tl.sum(tl.where(depth[:, None] == bins[None, :].to(tl.float32), e[:, None], 0.0), axis=0)
+            tl.store(pmass_ptr + out * BINS + bins, mass)
+
+    @triton.jit
+    def _combine_stats(row, nb, pmax_ptr, parg_ptr, psum_ptr, NBP: tl.constexpr):
+        """Row max, first argmax, sum of exp(v - max), and the tiles' maxima and rescale factors."""
+        b = tl.arange(0, NBP)
+        valid = b < nb
+        bm = tl.load(pmax_ptr + row * nb + b, mask=valid, other=float("-inf"))
+        m = tl.max(bm, axis=0)
+        first = tl.argmax(bm, axis=0, tie_break_left=True)  # tiles are in id order: the first argmax
+        arg = tl.load(parg_ptr + row * nb + first)
+        safe = tl.where(m == float("-inf"), 0.0, m)
+        scale = tl.where(bm == float("-inf"), 0.0, tl.exp(bm - safe))
+        z = tl.sum(tl.load(psum_ptr + row * nb + b, mask=valid, other=0.0) * scale, axis=0)
+        return m, arg, z, bm, scale
+
+    @triton.jit
+    def _stats_combine_kernel(pmax_ptr, parg_ptr, psum_ptr, nb, max_ptr, arg_ptr, lse_ptr, NBP: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        m, arg, z, _, _ = _combine_stats(row, nb, pmax_ptr, parg_ptr, psum_ptr, NBP)
         tl.store(max_ptr + row, m)
         tl.store(arg_ptr + row, arg)
-        tl.store(lse_ptr + row, m + tl.log(s))
+        tl.store(lse_ptr + row, m + tl.log(z))
 
     @triton.jit
-    def _race_kernel(x_ptr, stride, n_cols, step_ptr, out_ptr, BLOCK: tl.constexpr):
-        """Dense rows: argmax over finite entries of x + Gumbel(seed, position, id)."""
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
-        step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
-        offs = tl.arange(0, BLOCK)
-        best = tl.full([], float("-inf"), tl.float32)
-        best_id = tl.zeros([], tl.int64)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offs
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            if tl.max(x, axis=0) > float("-inf"):  # blocks without a survivor cost one read
-                g = tl.where(x > float("-inf"), x + _gumbel(step, cols), float("-inf"))
-                bm = tl.max(g, axis=0)
-                bi = tl.argmax(g, axis=0, tie_break_left=True)
-                best_id = tl.where(bm > best, (start + bi).to(tl.int64), best_id)
-                best = tl.maximum(best, bm)
-        tl.store(out_ptr + row, best_id)
-
-    @triton.jit
-    def _tail_kernel(
-        x_ptr, stride, n_cols, t_ptr, p_ptr, mp_ptr, step_ptr, buf_ptr, tok_ptr, arg_ptr, last_v_ptr, last_id_ptr,
-        CAP: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, SBLOCK: tl.constexpr, FIRST_STEP: tl.constexpr,
+    def _race_kernel(
+        x_ptr, stride, n_cols, step_ptr, t_ptr, mp_ptr, fstate_ptr, state_ptr, pbest_ptr, pid_ptr,
+        BLOCK: tl.constexpr, TAIL: tl.constexpr, FS: tl.constexpr, ST: tl.constexpr,
     ):  # fmt: skip
-        """x / T -> top-p (exact, sort-free) -> min-p -> race, one row per program.
+        """One tile: the best x + Gumbel(seed, position, id) over its survivors (finite; with TAIL,
+        of v = x / T at or above the top-p boundary (key, id) and v >= max + log(min_p))."""
+        row, out, cols, v = _tile(x_ptr, stride, n_cols, t_ptr, BLOCK, TAIL)
+        if TAIL:
+            threshold = tl.load(fstate_ptr + row * FS + 0) + tl.log(tl.load(mp_ptr + row))
+            key_last = tl.load(state_ptr + row * ST + 4)
+            id_last = tl.load(state_ptr + row * ST + 5)
+            kx = _key(v).to(tl.int64)
+            keep = (kx > key_last) | ((kx == key_last) & (cols.to(tl.int64) <= id_last))
+            keep = keep & (v >= threshold) & (v > float("-inf"))
+        else:
+            keep = v > float("-inf")
+        best = tl.full([], float("-inf"), tl.float32)
+        best_id = tl.full([], -1, tl.int64)
+        if tl.max(keep.to(tl.int32), axis=0) > 0:  # tiles without a survivor skip the hashes
+            step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
+            g = tl.where(keep, v + _gumbel(step, cols), float("-inf"))
+            best = tl.max(g, axis=0)
+            best_id = tl.program_id(1) * BLOCK + tl.argmax(g, axis=0, tie_break_left=True).to(tl.int64)
+        tl.store(pbest_ptr + out, best)
+        tl.store(pid_ptr + out, best_id)
 
-        Passes over the row: (1) max, first argmax and normaliser of x / T; (2) while the bracket
-        (lo, hi] of float keys that holds the top-p boundary has more than CAP tokens: K edges
-        inside it, the mass and count above each, keep the sub-bracket where the cumulative mass
-        crosses p * Z; (3) the bracket's tokens into buf (id order), sorted there by (value desc,
-        id asc) to find the last kept token exactly; (4) the race over the survivors.
-        """
+    @triton.jit
+    def _race_combine_kernel(pbest_ptr, pid_ptr, nb, out_ptr, NBP: tl.constexpr):
+        """The first tile with the best key wins (lowest id on ties); a row without a finite
+        entry takes id 0, as argmax does."""
+        row = tl.program_id(0).to(tl.int64)
+        b = tl.arange(0, NBP)
+        best = tl.load(pbest_ptr + row * nb + b, mask=b < nb, other=float("-inf"))
+        first = tl.argmax(best, axis=0, tie_break_left=True)
+        tok = tl.load(pid_ptr + row * nb + first)
+        tl.store(out_ptr + row, tl.where(tl.max(best, axis=0) > float("-inf"), tok, 0))
+
+    @triton.jit
+    def _tail_select_kernel(
+        pmax_ptr, parg_ptr, psum_ptr, pmass_ptr, nb, p_ptr, arg_ptr, fstate_ptr, state_ptr,
+        NBP: tl.constexpr, BINS: tl.constexpr, FS: tl.constexpr, ST: tl.constexpr,
+    ):  # fmt: skip
+        """Combine the tiles' bins into the row's (shifted to the row's top bin) and pick the bin
+        where the mass from the top crosses p * total: the bracket the boundary lies in."""
+        row = tl.program_id(0).to(tl.int64)
+        m, arg, _, bm, scale = _combine_stats(row, nb, pmax_ptr, parg_ptr, psum_ptr, NBP)
+        tl.store(arg_ptr + row, arg)
+        top = tl.floor(tl.where(m == float("-inf"), 0.0, m))
+        b = tl.arange(0, NBP)
+        j = tl.arange(0, BINS)
+        mass = tl.load(pmass_ptr + (row * nb + b[:, None]) * BINS + j[None, :], mask=(b < nb)[:, None], other=0.0)
+        mass = mass * scale[:, None]
+        shift = top - tl.floor(tl.where(bm == float("-inf"), top, bm))
+        depth = tl.minimum(j[None, :].to(tl.float32) + shift[:, None], BINS - 1.0)
+        bins = tl.zeros([BINS], tl.float32)
+        for g in tl.static_range(BINS):
+            bins += tl.where(j == g, tl.sum(tl.sum(tl.where(depth == g, mass, 0.0), axis=1), axis=0), 0.0)
+        p = tl.load(p_ptr + row)
+        target = p * tl.sum(bins, axis=0)
+        before = tl.cumsum(bins, axis=0) - bins
+        g = tl.maximum(tl.sum((before < target).to(tl.int32), axis=0) - 1, 0)
+        # Bin g holds v in [top - g, top - g + 1) (the last one: everything finite below).
+        lo = tl.where(g == BINS - 1, _key(tl.full([], float("-inf"), tl.float32)), _key(top - g.to(tl.float32)) - 1)
+        hi = _key(top - g.to(tl.float32) + 1.0) - 1
+        tl.store(fstate_ptr + row * FS + 0, m)
+        tl.store(fstate_ptr + row * FS + 1, target)
+        tl.store(fstate_ptr + row * FS + 2, tl.sum(tl.where(j == g, before, 0.0), axis=0))
+        tl.store(state_ptr + row * ST + 0, lo.to(tl.int64))
+        tl.store(state_ptr + row * ST + 1, hi.to(tl.int64))
+        tl.store(state_ptr + row * ST + 2, tl.zeros([], tl.int64))
+        tl.store(state_ptr + row * ST + 3, ((p < 1.0) & (m > float("-inf"))).to(tl.int64))
+
+    @triton.jit
+    def _tail_gather_kernel(
+        x_ptr, stride, n_cols, t_ptr, state_ptr, buf_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+        ST: tl.constexpr,
+    ):  # fmt: skip
+        """One tile's bracket tokens into the row's buffer, packed (key desc, id) so the buffer
+        sorts into the top-p order whatever order the tiles' atomic slots came in; the counter
+        ends at the bracket's size (only the first CAP are written)."""
+        row = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        if tl.load(state_ptr + row * ST + 3) != 0:
+            lo = tl.load(state_ptr + row * ST + 0)
+            hi = tl.load(state_ptr + row * ST + 1)
+            cols = blk * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            kx = _key(tl.math.div_rn(x, tl.load(t_ptr + row))).to(tl.int64)
+            inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
+            n = tl.sum(inb.to(tl.int64), axis=0)
+            if n > 0:
+                start = tl.atomic_add(state_ptr + row * ST + 2, n)
+                pos = start + tl.cumsum(inb.to(tl.int64), axis=0) - 1
+                packed = ((0x7FFFFFFF - kx) << 31) | cols.to(tl.int64)
+                tl.store(buf_ptr + row * CAP + pos, packed, mask=inb & (pos < CAP))
+
+    @triton.jit
+    def _tail_boundary_kernel(
+        x_ptr, stride, n_cols, t_ptr, fstate_ptr, state_ptr, buf_ptr, last_v_ptr,
+        CAP: tl.constexpr, K: tl.constexpr, SBLOCK: tl.constexpr, FIRST_STEP: tl.constexpr,
+        FS: tl.constexpr, ST: tl.constexpr,
+    ):  # fmt: skip
+        """The last token top-p keeps, (key, id): the gathered bracket sorted by (value desc, id
+        asc), its mass walked from the mass above it. A bracket of more than CAP tokens (rare: a
+        flat stretch of the distribution) is first narrowed here, one program over the row: while
+        (lo, hi] holds more than CAP tokens, K edges inside it, the mass and count above each, keep
+        the sub-bracket where the mass crosses p * total; then gathered in id order. More than CAP
+        tokens on one key: the first n_t of them by id, n_t from the tie's mass."""
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
-        offs = tl.arange(0, BLOCK)
-        temp = tl.load(t_ptr + row)
-        top_p = tl.load(p_ptr + row)
-        min_p = tl.load(mp_ptr + row)
-        # (1) online max / argmax / sum of exp(x/T - max).
-        m = tl.full([], float("-inf"), tl.float32)
-        z = tl.zeros([], tl.float32)
-        arg = tl.zeros([], tl.int64)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offs
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            xs = tl.math.div_rn(x, temp)
-            bm = tl.max(xs, axis=0)
-            bi = tl.argmax(xs, axis=0, tie_break_left=True)
-            new_m = tl.maximum(m, bm)
-            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-            z = z * tl.exp(m - safe) + tl.sum(tl.exp(xs - safe), axis=0)
-            arg = tl.where(bm > m, (start + bi).to(tl.int64), arg)
-            m = new_m
-        tl.store(arg_ptr + row, arg)
-
-        # The last kept token of top-p: (key_last, id_last); everything at or above survives.
         neg_key = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)
-        key_last = neg_key
+        key_last = neg_key  # rows without top-p keep every finite token
         id_last = tl.full([], -1, tl.int64)
-        if top_p < 1.0:
-            target = top_p * z
-            lo = neg_key  # A(lo) = Z >= target: the boundary is above lo
-            hi = _key(m).to(tl.int64)  # A(hi) = 0 < target: the boundary is at or below hi
-            a_hi = tl.zeros([], tl.float32)  # mass strictly above hi
-            n_b = n_cols + 0  # tokens in (lo, hi]; unknown yet
-            jj = tl.arange(0, K)
-            # (2) narrow the bracket.
-            while (n_b > CAP) & (hi - lo > 1):
-                step_k = tl.maximum((hi - lo) // (K + 1), 1)
-                by_key = hi - (jj + 1).to(tl.int64) * step_k
-                # While lo is -inf, edges every FIRST_STEP nats below hi's value.
-                by_value = _key(_unkey(hi.to(tl.int32)) - (jj + 1).to(tl.float32) * FIRST_STEP).to(tl.int64)
-                edges = tl.where(lo == neg_key, by_value, by_key)
-                edges = tl.maximum(tl.minimum(edges, hi - (jj + 1).to(tl.int64)), lo)
-                mass = tl.zeros([K], tl.float32)
-                cnt = tl.zeros([K], tl.int32)
-                nb = tl.zeros([], tl.int32)
-                for start in range(0, n_cols, SBLOCK):  # [SBLOCK, K] temporaries: a smaller block
-                    cols = start + tl.arange(0, SBLOCK)
-                    x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-                    xs = tl.math.div_rn(x, temp)
-                    kx = _key(xs).to(tl.int64)
-                    inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
-                    if tl.max(inb.to(tl.int32), axis=0) > 0:
-                        e = tl.exp(xs - m)
-                        above = inb[:, None] & (kx[:, None] > edges[None, :])
-                        mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
-                        cnt += tl.sum(above.to(tl.int32), axis=0)
-                        nb += tl.sum(inb.to(tl.int32), axis=0)
-                a = a_hi + mass
-                nlt = tl.sum((a < target).to(tl.int32), axis=0)
-                sel_hi = jj == nlt - 1
-                sel_lo = jj == nlt
-                cnt_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, cnt, 0), axis=0), 0)
-                cnt_lo = tl.where(nlt < K, tl.sum(tl.where(sel_lo, cnt, 0), axis=0), nb)
-                new_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, edges, 0), axis=0), hi)
-                a_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, a, 0.0), axis=0), a_hi)
-                lo = tl.where(nlt < K, tl.sum(tl.where(sel_lo, edges, 0), axis=0), lo)
-                hi = new_hi
-                n_b = cnt_lo - cnt_hi
+        n_b = tl.load(state_ptr + row * ST + 2)
+        if (tl.load(state_ptr + row * ST + 3) != 0) & (n_b > 0):
+            temp = tl.load(t_ptr + row)
+            m = tl.load(fstate_ptr + row * FS + 0)
+            target = tl.load(fstate_ptr + row * FS + 1)
+            a_hi = tl.load(fstate_ptr + row * FS + 2)
+            lo = tl.load(state_ptr + row * ST + 0)
+            hi = tl.load(state_ptr + row * ST + 1)
+            if n_b > CAP:
+                jj = tl.arange(0, K)
+                while (n_b > CAP) & (hi - lo > 1):
+                    step_k = tl.maximum((hi - lo) // (K + 1), 1)
+                    by_key = hi - (jj + 1).to(tl.int64) * step_k
+                    # While lo is -inf, edges every FIRST_STEP nats below hi's value.
+                    by_value = _key(_unkey(hi.to(tl.int32)) - (jj + 1).to(tl.float32) * FIRST_STEP).to(tl.int64)
+                    edges = tl.where(lo == neg_key, by_value, by_key)
+                    edges = tl.maximum(tl.minimum(edges, hi - (jj + 1).to(tl.int64)), lo)
+                    mass = tl.zeros([K], tl.float32)
+                    cnt = tl.zeros([K], tl.int64)
+                    nb = tl.zeros([], tl.int64)
+                    for start in range(0, n_cols, SBLOCK):  # [SBLOCK, K] temporaries
+                        cols = start + tl.arange(0, SBLOCK)
+                        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+                        xs = tl.math.div_rn(x, temp)
+                        kx = _key(xs).to(tl.int64)
+                        inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
+                        if tl.max(inb.to(tl.int32), axis=0) > 0:
+                            e = tl.exp(xs - m)
+                            above = inb[:, None] & (kx[:, None] > edges[None, :])
+                            mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
+                            cnt += tl.sum(above.to(tl.int64), axis=0)
+                            nb += tl.sum(inb.to(tl.int64), axis=0)
+                    a = a_hi + mass
+                    nlt = tl.sum((a < target).to(tl.int32), axis=0)
+                    sel_hi = jj == nlt - 1
+                    sel_lo = jj == nlt
+                    cnt_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, cnt, 0), axis=0), 0)
+                    cnt_lo = tl.where(nlt < K, tl.sum(tl.where(sel_lo, cnt, 0), axis=0), nb)
+                    new_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, edges, 0), axis=0), hi)
+                    a_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, a, 0.0), axis=0), a_hi)
+                    lo = tl.where(nlt < K, tl.sum(tl.where(sel_lo, edges, 0), axis=0), lo)
+                    hi = new_hi
+                    n_b = cnt_lo - cnt_hi
+                if n_b <= CAP:
+                    off = tl.zeros([], tl.int64)
+                    for start in range(0, n_cols, SBLOCK):
+                        cols = start + tl.arange(0, SBLOCK)
+                        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+                        kx = _key(tl.math.div_rn(x, temp)).to(tl.int64)
+                        inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
+                        pos = off + tl.cumsum(inb.to(tl.int64), axis=0) - 1
+                        packed = ((0x7FFFFFFF - kx) << 31) | cols.to(tl.int64)
+                        tl.store(buf_ptr + row * CAP + pos, packed, mask=inb)
+                        off += tl.sum(inb.to(tl.int64), axis=0)
             if n_b <= CAP:
-                # (3) gather the bracket (id order), sort by (value desc, id asc), walk the mass.
-                off = tl.zeros([], tl.int32)
-                for start in range(0, n_cols, BLOCK):
-                    cols = start + offs
-                    x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-                    kx = _key(tl.math.div_rn(x, temp)).to(tl.int64)
-                    inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
-                    pos = off + tl.cumsum(inb.to(tl.int32), axis=0) - 1
-                    packed = ((0x7FFFFFFF - kx) << 31) | cols.to(tl.int64)
-                    tl.store(buf_ptr + row * CAP + pos, packed, mask=inb)
-                    off += tl.sum(inb.to(tl.int32), axis=0)
                 slots = tl.arange(0, CAP)
                 valid = slots < n_b
                 packed = tl.load(buf_ptr + row * CAP + slots, mask=valid, other=0x7FFFFFFFFFFFFFFF)
@@ -213,98 +343,376 @@ if triton is not None:
                 key_last = tl.sum(tl.where(last, kb, 0), axis=0)
                 id_last = tl.sum(tl.where(last, ids, 0), axis=0)
             else:
-                # More than CAP tokens tie on one key: keep the first n_t of them by id.
-                v = _unkey(hi.to(tl.int32))
-                ev = tl.exp(v - m)
+                # More than CAP tokens on one key (hi): keep the first n_t of them by id.
+                ev = tl.exp(_unkey(hi.to(tl.int32)) - m)
                 n_t = tl.where(ev > 0, tl.ceil((target - a_hi) / ev), n_b.to(tl.float32))
-                n_t = tl.minimum(tl.maximum(n_t, 1.0), n_b.to(tl.float32)).to(tl.int32)
-                off = tl.zeros([], tl.int32)
+                n_t = tl.minimum(tl.maximum(n_t, 1.0), n_b.to(tl.float32)).to(tl.int64)
+                off = tl.zeros([], tl.int64)
                 found = tl.zeros([], tl.int64)
-                for start in range(0, n_cols, BLOCK):
-                    cols = start + offs
+                for start in range(0, n_cols, SBLOCK):
+                    cols = start + tl.arange(0, SBLOCK)
                     x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
                     tie = (_key(tl.math.div_rn(x, temp)).to(tl.int64) == hi) & (cols < n_cols)
-                    c = off + tl.cumsum(tie.to(tl.int32), axis=0)
+                    c = off + tl.cumsum(tie.to(tl.int64), axis=0)
                     found += tl.sum(tl.where(tie & (c == n_t), cols.to(tl.int64), 0), axis=0)
-                    off += tl.sum(tie.to(tl.int32), axis=0)
+                    off += tl.sum(tie.to(tl.int64), axis=0)
                 key_last = hi
                 id_last = found
-
+        tl.store(state_ptr + row * ST + 4, key_last)
+        tl.store(state_ptr + row * ST + 5, id_last)
         tl.store(last_v_ptr + row, _unkey(key_last.to(tl.int32)))
-        tl.store(last_id_ptr + row, id_last)
-        # (4) race over the survivors of top-p and min-p.
-        threshold = m + tl.log(min_p)
-        step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
-        best = tl.full([], float("-inf"), tl.float32)
-        best_id = arg
-        for start in range(0, n_cols, BLOCK):
-            cols = start + offs
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            xs = tl.math.div_rn(x, temp)
-            kx = _key(xs).to(tl.int64)
-            keep = (kx > key_last) | ((kx == key_last) & (cols.to(tl.int64) <= id_last))
-            keep = keep & (xs >= threshold) & (xs > float("-inf"))
-            if tl.max(keep.to(tl.int32), axis=0) > 0:
-                g = tl.where(keep, xs + _gumbel(step, cols), float("-inf"))
-                bm = tl.max(g, axis=0)
-                bi = tl.argmax(g, axis=0, tie_break_left=True)
-                best_id = tl.where(bm > best, (start + bi).to(tl.int64), best_id)
-                best = tl.maximum(best, bm)
-        tl.store(tok_ptr + row, best_id)
+
+    (_TEMPERATURE, _TOP_K, _TOP_P, _TOP_A, _MIN_P, _TFS, _TYPICAL, _ETA, _EPSILON, _NSIGMA, _QUADRATIC,
+     _XTC) = (tl.constexpr(CHAIN_CODE[s]) for s in CHAIN_STAGES)
+    (_P_T, _P_DMIN, _P_DMAX, _P_DEXP, _P_TOP_K, _P_TOP_P, _P_TOP_A, _P_MIN_P, _P_TFS, _P_TYPICAL, _P_ETA,
+     _P_EPSILON, _P_NSIGMA, _P_SMOOTH, _P_CURVE, _P_XTC_T, _P_XTC_P, _P_SKEW) = (
+        tl.constexpr(i) for i in range(len(CHAIN_PARAMS)))
+
+    @triton.jit
+    def _prefix_moments_kernel(x_ptr, stride, n_cols, part_ptr, BLOCK: tl.constexpr):
+        """One tile: max, finite count, sum of e = exp(x - max) and of e (x - max), mean of the
+        finite values and their squared deviations from it (combined per row by Chan's rule)."""
+        row = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        out = (row * tl.num_programs(1) + blk) * 6
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        fin = x > float("-inf")
+        m = tl.max(x, axis=0)
+        safe = tl.where(m == float("-inf"), 0.0, m)
+        e = tl.exp(x - safe)
+        n = tl.sum(fin.to(tl.float32), axis=0)
+        mean = tl.sum(tl.where(fin, x, 0.0), axis=0) / tl.maximum(n, 1.0)
+        tl.store(part_ptr + out + 0, m)
+        tl.store(part_ptr + out + 1, n)
+        tl.store(part_ptr + out + 2, tl.sum(e, axis=0))
+        tl.store(part_ptr + out + 3, tl.sum(tl.where(fin, e * (x - safe), 0.0), axis=0))
+        tl.store(part_ptr + out + 4, mean)
+        tl.store(part_ptr + out + 5, tl.sum(tl.where(fin, (x - mean) * (x - mean), 0.0), axis=0))
+
+    @triton.jit
+    def _prefix_combine_kernel(part_ptr, nb, stats_ptr, NBP: tl.constexpr, NS: tl.constexpr):
+        """Per row: finite count, entropy log Z - sum(e (x - max)) / Z, std of the finite values."""
+        row = tl.program_id(0).to(tl.int64)
+        b = tl.arange(0, NBP)
+        valid = b < nb
+        base = part_ptr + (row * nb + b) * 6
+        bm = tl.load(base + 0, mask=valid, other=float("-inf"))
+        bn = tl.load(base + 1, mask=valid, other=0.0)
+        m = tl.max(bm, axis=0)
+        # Tiles without a finite entry contribute nothing (their shift would be -inf * 0).
+        shift = tl.where(bm == float("-inf"), 0.0, bm - m)
+        scale = tl.where(bm == float("-inf"), 0.0, tl.exp(shift))
+        bz = tl.load(base + 2, mask=valid, other=0.0)
+        z = tl.sum(bz * scale, axis=0)
+        s1 = tl.sum(scale * (tl.load(base + 3, mask=valid, other=0.0) + bz * shift), axis=0)
+        n = tl.sum(bn, axis=0)
+        bmean = tl.load(base + 4, mask=valid, other=0.0)
+        mean = tl.sum(bn * bmean, axis=0) / tl.maximum(n, 1.0)
+        m2 = tl.sum(tl.load(base + 5, mask=valid, other=0.0) + bn * (bmean - mean) * (bmean - mean), axis=0)
+        tl.store(stats_ptr + row * NS + 0, n)
+        tl.store(stats_ptr + row * NS + 1, tl.log(z) - s1 / z)
+        tl.store(stats_ptr + row * NS + 2, tl.sqrt(m2 / tl.maximum(n, 1.0)))
+
+    @triton.jit
+    def _softmax_parts(x):
+        """Row max, softmax and log-softmax with torch's formulas (exp(x - m) / Z, x - m - log Z)."""
+        m = tl.max(x, axis=0)
+        e = tl.exp(x - m)
+        z = tl.sum(e, axis=0)
+        return m, e / z, (x - m) - tl.log(z)
+
+    @triton.jit
+    def _entropy(p, lp):
+        return -tl.sum(tl.where(lp > float("-inf"), p * lp, 0.0), axis=0)
+
+    @triton.jit
+    def _desc_keys(x, cols):
+        """(value desc, column asc) sort keys: columns are in id order, so this is the ops' stable
+        descending order; the low 31 bits hold the column."""
+        return ((0x7FFFFFFF - _key(x).to(tl.int64)) << 31) | cols.to(tl.int64)
+
+    @triton.jit
+    def _at(values, cols, j):
+        """values[j] of a row held in registers."""
+        return tl.sum(tl.where(cols == j, values, 0), axis=0)
+
+    @triton.jit
+    def _chain_kernel(
+        val_ptr, id_ptr, width, prm_ptr, prm_stride, code_ptr, n_codes, stats_ptr, seed_ptr, pos_ptr,
+        greedy_ptr, out_ptr, BLOCK: tl.constexpr, NUM_DRAWS: tl.constexpr, NS: tl.constexpr,
+    ):  # fmt: skip
+        """One row's candidates (top-`width` logits, any column order) in registers: the row's stage
+        codes in its order, skew, then the race (greedy rows: the first argmax). Stages before the
+        top-k code take full-vocabulary statistics from stats_ptr (dynatemp's entropy and count,
+        top-nσ's std, scaled by the temperatures applied before it); the others compute theirs on
+        the candidates, which is exact: removed tokens are -inf in the ops too."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        neg = float("-inf")
+        x = tl.load(val_ptr + row * width + cols, mask=cols < width, other=neg)
+        ids = tl.load(id_ptr + row * width + cols, mask=cols < width, other=0x7FFFFFFF)
+        # Columns into id order: the ops' positional tie-breaks (lowest id first) become column ones.
+        by_id = tl.sort((ids << 12) | cols.to(tl.int64), 0)
+        x = tl.gather(x, (by_id & 0xFFF).to(tl.int32), 0)
+        ids = by_id >> 12
+        prm = prm_ptr + row * prm_stride
+        counter = _mix(tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)) + (
+            tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * NUM_DRAWS)
+        if tl.load(greedy_ptr + row) == 0:
+            pre = tl.full([], 1, tl.int32)  # before the row's top-k
+            scale = tl.full([], 1.0, tl.float32)  # product of the temperatures applied before top-k
+            for s in range(n_codes):
+                code = tl.load(code_ptr + row * n_codes + s)
+                keys = _desc_keys(x, cols)
+                srt = keys
+                if (code == _TOP_K) | (code == _TOP_P) | (code == _TFS):
+                    srt = tl.sort(keys, 0)
+                if code == _TEMPERATURE:
+                    t = tl.load(prm + _P_T)
+                    dmin = tl.load(prm + _P_DMIN)
+                    dmax = tl.load(prm + _P_DMAX)
+                    if (dmin > 0) | (dmax > 0):
+                        if pre != 0:
+                            n_fin = tl.load(stats_ptr + row * NS + 0)
+                            h = tl.load(stats_ptr + row * NS + 1)
+                        else:
+                            n_fin = tl.sum((x > neg).to(tl.float32), axis=0)
+                            _, p, lp = _softmax_parts(x)
+                            h = _entropy(p, lp)
+                        norm = tl.minimum(tl.maximum(h / tl.log(tl.maximum(n_fin, 2.0)), 0.0), 1.0)
+                        dexp = tl.load(prm + _P_DEXP)
+                        powed = tl.where(norm > 0, tl.exp(dexp * tl.log(norm)), tl.where(dexp == 0, 1.0, 0.0))
+                        t = tl.where(n_fin <= 1, dmin, dmin + (dmax - dmin) * powed)
+                        t = tl.maximum(t, 1e-5)
+                    x = tl.math.div_rn(x, t)
+                    scale = scale * t
+                elif code == _NSIGMA:
+                    n = tl.load(prm + _P_NSIGMA)  # > 0: the code is there only when enabled
+                    if pre != 0:
+                        std = tl.load(stats_ptr + row * NS + 2) / scale
+                    else:
+                        fin = x > neg
+                        cnt = tl.maximum(tl.sum(fin.to(tl.float32), axis=0), 1.0)
+                        mean = tl.sum(tl.where(fin, x, 0.0), axis=0) / cnt
+                        std = tl.sqrt(tl.sum(tl.where(fin, (x - mean) * (x - mean), 0.0), axis=0) / cnt)
+                    x = tl.where(x < tl.max(x, axis=0) - n * std, neg, x)
+                elif code == _TOP_K:
+                    k = tl.minimum(tl.maximum(tl.load(prm + _P_TOP_K).to(tl.int32), 1), BLOCK)
+                    # Keep every value >= the k-th largest (its ties too).
+                    x = tl.where((keys >> 31) > (_at(srt, cols, k - 1) >> 31), neg, x)
+                    pre = pre * 0
+                elif code == _TOP_P:
+                    top_p = tl.load(prm + _P_TOP_P)
+                    if top_p < 1.0:
+                        _, probs, _ = _softmax_parts(tl.gather(x, (srt & 0x7FFFFFFF).to(tl.int32), 0))
+                        before = tl.cumsum(probs, 0) - probs
+                        n_kept = tl.maximum(tl.sum((before < top_p).to(tl.int32), axis=0), 1)
+                        x = tl.where(keys > _at(srt, cols, n_kept - 1), neg, x)
+                elif code == _TOP_A:
+                    m, _, lp = _softmax_parts(x)
+                    threshold = tl.log(tl.load(prm + _P_TOP_A)) + 2 * tl.max(lp, axis=0)
+                    x = tl.where((lp < threshold) & (x < m), neg, x)
+                elif code == _MIN_P:
+                    x = tl.where(x < tl.max(x, axis=0) + tl.log(tl.load(prm + _P_MIN_P)), neg, x)
+                elif code == _TFS:
+                    z = tl.load(prm + _P_TFS)
+                    sv = tl.gather(x, (srt & 0x7FFFFFFF).to(tl.int32), 0)
+                    _, probs, _ = _softmax_parts(sv)
+                    n_fin = tl.sum((sv > neg).to(tl.int32), axis=0)
+                    p1 = tl.gather(probs, tl.minimum(cols + 1, BLOCK - 1), 0)
+                    p2 = tl.gather(probs, tl.minimum(cols + 2, BLOCK - 1), 0)
+                    d = tl.where(cols > n_fin - 3, 0.0, tl.abs(probs - 2 * p1 + p2))
+                    total = tl.sum(d, axis=0)
+                    over = (tl.cumsum(d, 0) / tl.maximum(total, 1e-30)) > z
+                    first = tl.min(tl.where(over, cols, BLOCK), axis=0)
+                    first = tl.where(first < BLOCK, first, n_fin - 1)
+                    if (total > 0) & (z < 1.0):
+                        x = tl.where(keys > _at(srt, cols, first), neg, x)
+                elif code == _TYPICAL:
+                    typical = tl.load(prm + _P_TYPICAL)
+                    if typical < 1.0:
+                        _, p, lp = _softmax_parts(x)
+                        dev_keys = (_key(tl.abs(-lp - _entropy(p, lp))).to(tl.int64) << 31) | cols.to(tl.int64)
+                        by_dev = tl.sort(dev_keys, 0)
+                        sp = tl.gather(p, (by_dev & 0x7FFFFFFF).to(tl.int32), 0)
+                        n_kept = tl.maximum(tl.sum(((tl.cumsum(sp, 0) - sp) < typical).to(tl.int32), axis=0), 1)
+                        x = tl.where(dev_keys > _at(by_dev, cols, n_kept - 1), neg, x)
+                elif code == _ETA:
+                    eta = tl.load(prm + _P_ETA)
+                    m, p, lp = _softmax_parts(x)
+                    threshold = tl.minimum(eta, tl.sqrt(eta) * tl.exp(-_entropy(p, lp)))
+                    x = tl.where((p < threshold) & (x < m), neg, x)
+                elif code == _EPSILON:
+                    m, p, _ = _softmax_parts(x)
+                    x = tl.where((p < tl.load(prm + _P_EPSILON)) & (x < m), neg, x)
+                elif code == _QUADRATIC:
+                    f = tl.load(prm + _P_SMOOTH)  # > 0
+                    c = tl.load(prm + _P_CURVE)
+                    m = tl.max(x, axis=0)
+                    d = x - m
+                    kq = f * (3 - c) / 2
+                    sq = f * (c - 1) / 2
+                    x = tl.where(x > neg, m - kq * d * d + sq * d * d * d, x)
+                elif code == _XTC:
+                    coin = (_mix(counter + 1) >> 40).to(tl.float32) * (1.0 / 16777216.0)
+                    if coin < tl.load(prm + _P_XTC_P):
+                        _, p, _ = _softmax_parts(x)
+                        above = p >= tl.load(prm + _P_XTC_T)
+                        least = tl.min(tl.where(above, p, float("inf")), axis=0)
+                        kept = tl.max(tl.where(above & (p == least), cols, -1), axis=0)
+                        if tl.sum(above.to(tl.int32), axis=0) >= 2:
+                            x = tl.where(above & (cols != kept), neg, x)
+            skew = tl.load(prm + _P_SKEW)
+            if skew != 0:
+                # On the descending order, in float64: p' = diff(cdf^(e^skew)); the result stays in
+                # that order (the race reads ids, not columns).
+                srt = tl.sort(_desc_keys(x, cols), 0)
+                order = (srt & 0x7FFFFFFF).to(tl.int32)
+                sv = tl.gather(x, order, 0)
+                ids = tl.gather(ids, order, 0)
+                _, p, _ = _softmax_parts(sv.to(tl.float64))
+                cdf = tl.minimum(tl.maximum(tl.cumsum(p, 0), 0.0), 1.0)
+                skewed = tl.where(cdf > 0, tl.exp(tl.exp(skew.to(tl.float64)) * tl.log(cdf)), 0.0)
+                prev = tl.where(cols > 0, tl.gather(skewed, tl.maximum(cols - 1, 0), 0), 0.0)
+                x = tl.where(sv > neg, tl.log(tl.maximum(skewed - prev, 0.0)).to(tl.float32), neg)
+            x = tl.where(x > neg, x + _gumbel(_mix(counter), ids), neg)
+        best = tl.max(x, axis=0)
+        tl.store(out_ptr + row, tl.min(tl.where(x == best, ids, 0x7FFFFFFF), axis=0))
 
 
-def _block(n_cols: int, cap: int = 4096) -> int:
-    return min(cap, triton.next_power_of_2(max(n_cols, 16)))
+def split_block(n_cols: int) -> int:
+    """Tile width: about 128 tiles per row (a batch-1 row spreads over the GPU), 256..4096."""
+    return min(4096, max(256, triton.next_power_of_2(triton.cdiv(n_cols, 128))))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def row_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _empty(*shape: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _stats(x: torch.Tensor, temperature: torch.Tensor | None, block: int, bins: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tile partials of _stats_kernel: max, argmax, sum of exp [R, NB], bin masses [R, NB, bins]."""
+    rows, n = x.shape
+    nb = triton.cdiv(n, block)
+    pmax = _empty(rows, nb, dtype=torch.float32, like=x)
+    parg = _empty(rows, nb, dtype=torch.int64, like=x)
+    psum = _empty(rows, nb, dtype=torch.float32, like=x)
+    pmass = _empty(rows, nb, max(bins, 1), dtype=torch.float32, like=x)
+    t = temperature if temperature is not None else psum
+    _stats_kernel[(rows, nb)](x, x.stride(0), n, t, pmax, parg, psum, pmass, BLOCK=block,
+                              SCALED=temperature is not None, BINS=bins, num_warps=8 if bins else 4)
+    return pmax, parg, psum, pmass
+
+
+def row_stats(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x = _rows(x)
     rows, n = x.shape
-    amax = torch.empty(rows, dtype=torch.float32, device=x.device)
-    arg = torch.empty(rows, dtype=torch.int64, device=x.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=x.device)
+    amax = _empty(rows, dtype=torch.float32, like=x)
+    arg = _empty(rows, dtype=torch.int64, like=x)
+    lse = _empty(rows, dtype=torch.float32, like=x)
     if rows:
-        _row_stats_kernel[(rows,)](x, x.stride(0), n, amax, arg, lse, BLOCK=_block(n), num_warps=8)
+        block = block or split_block(n)
+        pmax, parg, psum, _ = _stats(x, None, block, 0)
+        nb = pmax.shape[1]
+        _stats_combine_kernel[(rows,)](pmax, parg, psum, nb, amax, arg, lse, NBP=triton.next_power_of_2(nb),
+                                       num_warps=1)
     return amax, arg, lse
 
 
-def race(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    x = _rows(x)
+def _race(x: torch.Tensor, step: torch.Tensor, block: int, tail: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
     rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    if rows:
-        _race_kernel[(rows,)](x, x.stride(0), n, step, out, BLOCK=_block(n), num_warps=8)
+    nb = triton.cdiv(n, block)
+    pbest = _empty(rows, nb, dtype=torch.float32, like=x)
+    pid = _empty(rows, nb, dtype=torch.int64, like=x)
+    temperature, min_p, fstate, state = tail if tail is not None else (pbest, pbest, pbest, pid)
+    _race_kernel[(rows, nb)](x, x.stride(0), n, step, temperature, min_p, fstate, state, pbest, pid, BLOCK=block,
+                             TAIL=tail is not None, FS=FSTATE, ST=STATE, num_warps=4)
+    out = _empty(rows, dtype=torch.int64, like=x)
+    _race_combine_kernel[(rows,)](pbest, pid, nb, out, NBP=triton.next_power_of_2(nb), num_warps=1)
     return out
 
 
-TAIL_CAP = 2048
-TAIL_PIVOTS = 16
-TAIL_FIRST_STEP = 1.0  # nats between the first pass's edges (while the bracket is open below)
+def race(x: torch.Tensor, step: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Dense rows: argmax over finite entries of x + Gumbel(seed, position, id)."""
+    x = _rows(x)
+    if not x.shape[0]:
+        return _empty(0, dtype=torch.int64, like=x)
+    return _race(x, step, block or split_block(x.shape[1]), None)
 
 
 def tail(
     x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, step: torch.Tensor,
-    cap: int | None = None, pivots: int | None = None,
+    cap: int | None = None, pivots: int | None = None, block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(race winner, argmax of x / T, top-p's last kept value and id) per row; see _tail_kernel.
-    Rows exempt from top-p report (-inf, -1): every finite token is kept."""
+    """x / T -> top-p (exact, sort-free over the vocabulary) -> min-p -> race, per row:
+    (race winner, argmax of x / T, top-p's last kept value and id). Rows exempt from top-p report
+    (-inf, -1): every finite token is kept.
+
+    Launches: (1) tiles: max / argmax / sum of exp and 1-nat bins of the mass; (2) per row: the
+    bin where the mass from the top crosses p * total; (3) tiles: that bin's tokens into a buffer;
+    (4) per row: the buffer sorted, the exact last kept token; (5) tiles: the race over the
+    survivors of top-p and min-p; (6) per row: the best tile."""
     cap = cap or TAIL_CAP
-    pivots = pivots or TAIL_PIVOTS
     x = _rows(x)
     rows, n = x.shape
-    tok = torch.empty(rows, dtype=torch.int64, device=x.device)
-    arg = torch.empty(rows, dtype=torch.int64, device=x.device)
-    last_v = torch.empty(rows, dtype=torch.float32, device=x.device)
-    last_id = torch.empty(rows, dtype=torch.int64, device=x.device)
-    buf = torch.empty((max(rows, 1), cap), dtype=torch.int64, device=x.device)
+    arg = _empty(rows, dtype=torch.int64, like=x)
+    last_v = _empty(rows, dtype=torch.float32, like=x)
+    if not rows:
+        return arg, arg, last_v, arg
+    block = block or split_block(n)
+    temperature = temperature.float().contiguous()
+    pmax, parg, psum, pmass = _stats(x, temperature, block, NBINS)
+    nb = pmax.shape[1]
+    fstate = _empty(rows, FSTATE, dtype=torch.float32, like=x)
+    state = _empty(rows, STATE, dtype=torch.int64, like=x)
+    _tail_select_kernel[(rows,)](pmax, parg, psum, pmass, nb, top_p.float().contiguous(), arg, fstate, state,
+                                 NBP=triton.next_power_of_2(nb), BINS=NBINS, FS=FSTATE, ST=STATE, num_warps=4)
+    buf = _empty(rows, cap, dtype=torch.int64, like=x)
+    _tail_gather_kernel[(rows, nb)](x, x.stride(0), n, temperature, state, buf, CAP=cap, BLOCK=block, ST=STATE,
+                                    num_warps=4)
+    _tail_boundary_kernel[(rows,)](
+        x, x.stride(0), n, temperature, fstate, state, buf, last_v, CAP=cap, K=pivots or TAIL_PIVOTS,
+        SBLOCK=min(512, triton.next_power_of_2(max(n, 16))), FIRST_STEP=TAIL_FIRST_STEP, FS=FSTATE, ST=STATE,
+        num_warps=8,
+    )  # fmt: skip
+    tok = _race(x, step, block, (temperature, min_p.float().contiguous(), fstate, state))
+    return tok, arg, last_v, state[:, 5]
+
+
+def prefix_stats(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """float32 [R, PREFIX_STATS] of the rows of x: finite count, entropy, std (module constants)."""
+    x = _rows(x)
+    rows, n = x.shape
+    stats = _empty(rows, PREFIX_STATS, dtype=torch.float32, like=x)
     if rows:
-        _tail_kernel[(rows,)](
-            x, x.stride(0), n, temperature.float().contiguous(), top_p.float().contiguous(),
-            min_p.float().contiguous(), step, buf, tok, arg, last_v, last_id,
-            CAP=cap, K=pivots, BLOCK=_block(n, 2048), SBLOCK=_block(n, 512), FIRST_STEP=TAIL_FIRST_STEP, num_warps=8,
+        block = block or split_block(n)
+        nb = triton.cdiv(n, block)
+        part = _empty(rows, nb, 6, dtype=torch.float32, like=x)
+        _prefix_moments_kernel[(rows, nb)](x, x.stride(0), n, part, BLOCK=block, num_warps=4)
+        _prefix_combine_kernel[(rows,)](part, nb, stats, NBP=triton.next_power_of_2(nb), NS=PREFIX_STATS,
+                                        num_warps=1)
+    return stats
+
+
+def chain(
+    values: torch.Tensor, ids: torch.Tensor, params: torch.Tensor, codes: torch.Tensor, stats: torch.Tensor | None,
+    seeds: torch.Tensor, positions: torch.Tensor, greedy: torch.Tensor, num_draws: int,
+) -> torch.Tensor:
+    """Sampled token ids [R] from the candidates values / ids [R, C] (C <= CHAIN_MAX_WIDTH): each
+    row's stage codes [R, S] with its parameters (params [R, >= len(CHAIN_PARAMS)]), skew and the
+    race keyed by (seed, position) with `num_draws` uniforms per position (rng.py)."""
+    rows, width = values.shape
+    out = _empty(rows, dtype=torch.int64, like=values)
+    if rows:
+        block = triton.next_power_of_2(width)
+        _chain_kernel[(rows,)](
+            values.contiguous(), ids.contiguous(), width, params, params.stride(0), codes, codes.shape[1],
+            stats if stats is not None else values, seeds, positions, greedy, out, BLOCK=block,
+            NUM_DRAWS=num_draws, NS=PREFIX_STATS, num_warps=4 if block <= 512 else 8,
         )  # fmt: skip
-    return tok, arg, last_v, last_id
+    return out

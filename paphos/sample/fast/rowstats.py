@@ -2,9 +2,9 @@
 
 The sampler needs the raw distribution's normaliser for every row (sampled logprobs) and the
 argmax for greedy rows; torch's logsumexp alone reads the row several times and `.float()` copies
-it. The kernel reads each row once in its own dtype, online: per block, the block max rescales
-the running sum of exp. Torch formulation (CPU, and the tests' reference): amax, argmax,
-logsumexp.
+it. The kernels read each row once in its own dtype, split over tiles: per tile the max, first
+argmax and sum of exp below the tile max, then per row the tiles combined (rescaled to the row
+max). Torch formulation (CPU, and the tests' reference): amax, argmax, logsumexp.
 """
 
 from __future__ import annotations

@@ -1,0 +1,115 @@
+"""The GGUF Triton kernels compile for sm_90 (H100/H200) on this machine, no GPU needed: the
+interpreter runs of test_gguf_triton.py accept code that may not lower for the GPU (a constexpr
+reassigned in an unrolled loop, inline PTX, layouts). The batch-1 GEMVs must not spill. The
+compiles run in a child process without TRITON_INTERPRET (this one has the interpreter set up)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gguf_kernels_compile_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    compiled = done.stdout.split()
+    assert len(compiled) == len(CASES) and all(line.endswith(":ok") for line in compiled), done.stdout
+
+
+_POINTER = {0: "*fp16", 1: "*i8", 2: "*u8"}
+
+
+def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**args, **{name: "constexpr" for name in constexprs}}
+    # pointers 16-byte aligned and sizes multiples of 16, as the launches specialise them
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(signature)
+        if args.get(name, "").startswith("*")
+    }
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
+    return kernel.asm["ptx"]
+
+
+def _plane_args(fmt: object, lo: str = "*i32") -> dict[str, str]:
+    return {
+        "lo_ptr": lo, "hi_ptr": "*i32", "sc_ptr": _POINTER[fmt.scale], "sd_ptr": "*fp16",
+        "mn_ptr": "*fp16" if fmt.mink == 1 else "*u8", "smin_ptr": "*fp16",
+    }  # fmt: skip
+
+
+def _integer_gemv(type_name: str) -> None:
+    from paphos.quant.gguf import triton_gemv as gemv
+    from paphos.quant.gguf import triton_gguf as tg
+
+    fmt = tg.FORMATS[type_name]
+    assert gemv.integer_dots(fmt)
+    args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_plane_args(fmt)}
+    args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
+    constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
+                      TW=fmt.tile_words, BN=2, T=4096 // fmt.tile_values, RPP=8, ASM=True)  # fmt: skip
+    ptx = _compile(gemv._gemv_int8_kernel, args, constexprs, 4)
+    assert "dp4a.s32.s32" in ptx and ".local" not in ptx
+
+
+def _float_gemv(type_name: str) -> None:
+    from paphos.quant.gguf import triton_gemv as gemv
+    from paphos.quant.gguf import triton_gguf as tg
+
+    fmt = tg.FORMATS[type_name]
+    assert gemv.supports(fmt) and not gemv.integer_dots(fmt)
+    args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_plane_args(fmt)}
+    args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
+    constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
+                      SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=2, KC=64 * fmt.tile_values, EVEN_K=False)  # fmt: skip
+    assert ".local" not in _compile(gemv._gemv_kernel, args, constexprs, 2)
+
+
+def _fused(type_name: str, block_m: int) -> None:
+    from paphos.quant.gguf import triton_gguf as tg
+
+    fmt = tg.FORMATS[type_name]
+    args = {"x_ptr": "*bf16", "out_ptr": "*fp32", **_plane_args(fmt, "*i8" if fmt.lo == 8 else "*i32"),
+            "lut_ptr": "*fp32"}  # fmt: skip
+    args |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "iters_per_split")}
+    constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
+                      SCMIN_NIB=fmt.scmin_nib, BM=block_m, BN=32, BK=128, ATOMIC=True, DOT_F32=False)  # fmt: skip
+    assert _compile(tg._fused_kernel, args, constexprs, 4)
+
+
+def _gather(type_name: str) -> None:
+    from paphos.quant.gguf import triton_gguf as tg
+
+    fmt = tg.FORMATS[type_name]
+    args = {"out_ptr": "*bf16", "ids_ptr": "*i64", **_plane_args(fmt), "lut_ptr": "*fp32"}
+    args |= {n: "i32" for n in ("T", "K", "stride_o")}
+    constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
+                      SCMIN_NIB=fmt.scmin_nib, BN=16, BK=256)  # fmt: skip
+    assert _compile(tg._gather_kernel, args, constexprs, 4)
+
+
+CASES = {
+    **{f"int8-gemv-{t}": (_integer_gemv, t) for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_1")},
+    **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
+    "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
+    "gather-Q6_K": (_gather, "Q6_K"),
+}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    for name, (fn, *args) in CASES.items():
+        fn(*args)
+        print(f"{name}:ok", flush=True)
