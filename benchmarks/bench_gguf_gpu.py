@@ -50,14 +50,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_gpu import cuda_time, random_prompts, write_synthetic_tokenizer  # noqa: E402
+from bench_gpu import cuda_time, engine_steps, random_prompts, write_synthetic_tokenizer  # noqa: E402
 from make_random_gguf import random_blocks as gguf_random_blocks  # noqa: E402
 from make_random_gguf import write as write_gguf  # noqa: E402
 
 from paphos import LLM  # noqa: E402
 from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
-from paphos.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("ceilings", "kernels", "gemv", "sweep", "crossover", "q4_k_m", "q8_0", "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
@@ -387,24 +386,6 @@ def _weight_report(llm: LLM, gguf_path: Path | None) -> dict[str, Any]:
     return report
 
 
-def _steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"g{time.monotonic_ns()}-{i}", prompt, params)
-    steps = []
-    torch.cuda.synchronize()
-    # Every step ends by reading its sampled ids back, so the gaps between step returns are the
-    # step periods, also when the decode lookahead keeps the next step running in between.
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        t1 = time.perf_counter()
-        steps.append((t1 - t0, len(outputs)))
-        t0 = t1
-    return steps
-
-
 def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
     args = bench.args
     vocab = bench.config["vocab_size"]
@@ -424,23 +405,23 @@ def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
         read_bytes = mem.pop("_read_bytes")
         out["memory"] = mem
         bw = bench.results.get("copy_bw")
-        _steps(llm, random_prompts(1, 32, vocab, 1), 8)  # warm-up
+        engine_steps(llm, random_prompts(1, 32, vocab, 1), 8)  # warm-up
         # batch 1: 128-token prompt, 128 tokens decoded (tg128 of llama-bench, at context 128-256)
-        steps = _steps(llm, random_prompts(1, 128, vocab, 2), 128)
+        steps = engine_steps(llm, random_prompts(1, 128, vocab, 2), 128)
         tpot = statistics.median(t for t, rows in steps[1:] if rows == 1)
         out["batch1"] = {
             "tok_s": 1 / tpot, "step_ms": tpot * 1e3, "GBps": read_bytes / tpot / 1e9,
             "frac_copy_bw": read_bytes / tpot / bw if bw else None,
         }  # fmt: skip
         for batch in (16, 64):
-            steps = _steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
+            steps = engine_steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
             decode = [t for t, rows in steps[1:] if rows == batch]
             out[f"batch{batch}"] = (
                 {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
             )
         times = []
         for seed in range(4):  # pp512: one 512-token prompt per step (chunk >= 512), best of the last 3
-            steps = _steps(llm, random_prompts(1, 512, vocab, 100 + seed), 1)
+            steps = engine_steps(llm, random_prompts(1, 512, vocab, 100 + seed), 1)
             times.append(steps[0][0])
         out["pp512"] = {"tok_s": 512 / min(times[1:]), "ms": min(times[1:]) * 1e3}
     finally:

@@ -69,6 +69,26 @@ def cuda_time(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> flo
     return statistics.median(times)
 
 
+def engine_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
+    """Runs greedy requests for the prompts to completion one engine step at a time: (step seconds,
+    rows decoded) per step."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
+    steps = []
+    torch.cuda.synchronize()
+    # Every step ends by reading its sampled ids back, so the gaps between step returns are the
+    # step periods, also when the decode lookahead keeps the next step running in between.
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        steps.append((t1 - t0, len(outputs)))
+        t0 = t1
+    return steps
+
+
 def write_synthetic_tokenizer(directory: Path, vocab_size: int, eos_id: int) -> None:
     """A word-level tokenizer with one token per id: dummy models need a tokenizer object, and
     detokenizing through it keeps the engine's per-token host work in the measurement."""
@@ -115,22 +135,7 @@ class Bench:
         return self._llm
 
     def engine_steps(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
-        """Runs the prompts to completion one engine step at a time: (step seconds, rows decoded)."""
-        engine = self.llm().engine
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
-        steps = []
-        torch.cuda.synchronize()
-        # Every step ends by reading its sampled ids back, so the gaps between step returns are the
-        # step periods, also when the decode lookahead keeps the next step running in between.
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            t1 = time.perf_counter()
-            steps.append((t1 - t0, len(outputs)))
-            t0 = t1
-        return steps
+        return engine_steps(self.llm(), prompts, max_tokens)
 
     def weight_bytes(self) -> int:
         model = self.llm().engine.runner.model
