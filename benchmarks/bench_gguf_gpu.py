@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -50,11 +49,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_gpu import cuda_time, engine_steps, random_prompts, write_synthetic_tokenizer  # noqa: E402
+from bench_gpu import cuda_time, engine_steps, random_prompts, run_sections, write_synthetic_tokenizer  # noqa: E402
 from make_random_gguf import random_blocks as gguf_random_blocks  # noqa: E402
 from make_random_gguf import write as write_gguf  # noqa: E402
 
 from paphos import LLM  # noqa: E402
+from paphos.quant.gguf import planes  # noqa: E402
 from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
 
@@ -92,7 +92,7 @@ def _raw_gpu(type_name: str, n: int, k: int, seed: int) -> torch.Tensor:
 
 def _segment(type_name: str, n: int, k: int, seed: int = 0) -> tuple[tg.Segment, torch.Tensor]:
     raw = _raw_gpu(type_name, n, k, seed)
-    return tg.Segment(type_name, 0, n, k, tg.repack(raw, type_name)), raw
+    return tg.Segment(type_name, 0, n, k, planes.repack(raw, type_name)), raw
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -134,7 +134,7 @@ def section_kernels(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     worst = 0.0
     cases = [(t, name, n, k) for t in MAIN_TYPES for name, n, k in SHAPES if name != "head"]
-    cases += [(t, "attn_q/o", 4096, 4096) for t in tg.FORMATS if t not in MAIN_TYPES]
+    cases += [(t, "attn_q/o", 4096, 4096) for t in planes.FORMATS if t not in MAIN_TYPES]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for type_name, shape, n, k in cases:
         seg, raw = _segment(type_name, n, k)
@@ -518,21 +518,7 @@ def main() -> None:
     parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of the config sweep")
     args = parser.parse_args()
     bench = Bench(args)
-    t_start = time.perf_counter()
-    for name in args.sections.split(","):
-        fn = globals()[f"section_{name}"]
-        t0 = time.perf_counter()
-        try:
-            bench.results[name] = fn(bench)
-        except Exception as e:  # one broken section must not lose the others' figures
-            traceback.print_exc()
-            bench.results[name] = {"error": f"{type(e).__name__}: {e}"}
-            gc.collect()
-            torch.cuda.empty_cache()
-        bench.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-        print(f"--- {name} done in {time.perf_counter() - t0:.1f} s (total {time.perf_counter() - t_start:.0f} s): "
-              f"{json.dumps(bench.results[name], default=str)[:800]}", flush=True)  # fmt: skip
-        bench.save()
+    run_sections(bench, args.sections.split(","), globals())
     bench.results["tuned_configs"] = {str(k): v.__dict__ for k, v in tg.TUNED_CONFIGS.items()}
     bench.results["gemv_configs"] = {str(k): v.__dict__ for k, v in tg.GEMV_CONFIGS.items()}
     bench.save()

@@ -89,6 +89,25 @@ def engine_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tu
     return steps
 
 
+def run_sections(bench: Any, names: list[str], namespace: dict[str, Any]) -> None:
+    """Runs `section_<name>(bench)` of `namespace` for each name into bench.results, saving after
+    each; a failing section is recorded (and its GPU memory released) and the rest go on."""
+    t_start = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            bench.results[name] = namespace[f"section_{name}"](bench)
+        except Exception as e:  # one broken section must not lose the others' figures
+            traceback.print_exc()
+            bench.results[name] = {"error": f"{type(e).__name__}: {e}"}
+            gc.collect()
+            torch.cuda.empty_cache()
+        bench.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        print(f"--- {name} done in {time.perf_counter() - t0:.1f} s (total {time.perf_counter() - t_start:.0f} s): "
+              f"{json.dumps(bench.results[name], default=str)[:800]}", flush=True)  # fmt: skip
+        bench.save()
+
+
 def write_synthetic_tokenizer(directory: Path, vocab_size: int, eos_id: int) -> None:
     """A word-level tokenizer with one token per id: dummy models need a tokenizer object, and
     detokenizing through it keeps the engine's per-token host work in the measurement."""
@@ -492,18 +511,7 @@ def main() -> None:
     parser.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     args = parser.parse_args()
     bench = Bench(args)
-    for name in args.sections.split(","):
-        fn = globals()[f"section_{name}"]
-        t0 = time.perf_counter()
-        try:
-            bench.results[name] = fn(bench)
-        except Exception as e:  # one broken section must not lose the others' figures
-            traceback.print_exc()
-            bench.results[name] = {"error": f"{type(e).__name__}: {e}"}
-        bench.results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-        print(f"--- {name} done in {time.perf_counter() - t0:.1f} s: {json.dumps(bench.results[name], default=str)[:600]}",
-              flush=True)
-        bench.save()
+    run_sections(bench, args.sections.split(","), globals())
     print_table(bench.results)
 
 

@@ -28,7 +28,7 @@ from paphos.loader import GGUFCheckpoint
 from paphos.loader.gguf_reader import GGUFTensor
 from paphos.loader.source import raw_tensor_names
 from paphos.models.registry import resolve_model_class
-from paphos.quant.gguf import GGUFLinearMethod, GGUFQuantConfig
+from paphos.quant.gguf import GGUFLinearMethod, GGUFQuantConfig, planes
 from paphos.quant.gguf import kernels as gk
 from paphos.quant.gguf.dequant import dequantize
 from tests.models.paged import BLOCK, NUM_BLOCKS, run_schedule
@@ -252,7 +252,7 @@ def triton_on_cpu(tg, monkeypatch: pytest.MonkeyPatch) -> object:  # noqa: ANN00
     """Kernel choice as on a GPU: the Triton kernel accepts CPU tensors (run interpreted)."""
 
     def can_implement(cls, shards, device, dtype) -> bool:  # noqa: ANN001
-        return dtype in (torch.bfloat16, torch.float16) and all(s.type_name in tg.FORMATS for s in shards)
+        return dtype in (torch.bfloat16, torch.float16) and all(s.type_name in planes.FORMATS for s in shards)
 
     monkeypatch.setattr(gk.TritonGGUFKernel, "can_implement", classmethod(can_implement))
     return tg
@@ -265,7 +265,7 @@ def test_triton_gather_rows_exact(tg, type_name: str) -> None:  # noqa: ANN001
     raw = torch.from_numpy(
         random_blocks(type_name, vocab, HIDDEN, np.random.default_rng(3), weight_scale(type_name))
     )
-    seg = tg.Segment(type_name, 0, vocab, HIDDEN, tg.repack(raw, type_name))
+    seg = tg.Segment(type_name, 0, vocab, HIDDEN, planes.repack(raw, type_name))
     table = dequantize(raw, type_name)
     ids = _ids(vocab, 21)
     for dtype in (torch.float32, torch.bfloat16):

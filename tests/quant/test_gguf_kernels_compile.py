@@ -51,10 +51,10 @@ def _plane_args(fmt: object, lo: str = "*i32") -> dict[str, str]:
 
 
 def _integer_gemv(type_name: str) -> None:
+    from paphos.quant.gguf import planes
     from paphos.quant.gguf import triton_gemv as gemv
-    from paphos.quant.gguf import triton_gguf as tg
 
-    fmt = tg.FORMATS[type_name]
+    fmt = planes.FORMATS[type_name]
     assert gemv.integer_dots(fmt)
     args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_plane_args(fmt)}
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
@@ -65,10 +65,10 @@ def _integer_gemv(type_name: str) -> None:
 
 
 def _float_gemv(type_name: str) -> None:
+    from paphos.quant.gguf import planes
     from paphos.quant.gguf import triton_gemv as gemv
-    from paphos.quant.gguf import triton_gguf as tg
 
-    fmt = tg.FORMATS[type_name]
+    fmt = planes.FORMATS[type_name]
     assert gemv.supports(fmt) and not gemv.integer_dots(fmt)
     args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_plane_args(fmt)}
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
@@ -78,9 +78,10 @@ def _float_gemv(type_name: str) -> None:
 
 
 def _fused(type_name: str, block_m: int) -> None:
+    from paphos.quant.gguf import planes
     from paphos.quant.gguf import triton_gguf as tg
 
-    fmt = tg.FORMATS[type_name]
+    fmt = planes.FORMATS[type_name]
     args = {"x_ptr": "*bf16", "out_ptr": "*fp32", **_plane_args(fmt, "*i8" if fmt.lo == 8 else "*i32"),
             "lut_ptr": "*fp32"}  # fmt: skip
     args |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "iters_per_split")}
@@ -90,9 +91,10 @@ def _fused(type_name: str, block_m: int) -> None:
 
 
 def _gather(type_name: str) -> None:
+    from paphos.quant.gguf import planes
     from paphos.quant.gguf import triton_gguf as tg
 
-    fmt = tg.FORMATS[type_name]
+    fmt = planes.FORMATS[type_name]
     args = {"out_ptr": "*bf16", "ids_ptr": "*i64", **_plane_args(fmt), "lut_ptr": "*fp32"}
     args |= {n: "i32" for n in ("T", "K", "stride_o")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,

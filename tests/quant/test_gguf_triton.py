@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from paphos.quant.gguf import planes
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import GGUFShard
 from tests.quant.gguf_blocks import random_blocks, weight_scale
@@ -73,9 +74,9 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("type_name", PRIORITY + OTHERS)
 def test_repacked_planes_dequantize_exactly(tg, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 1)
-    planes = tg.repack(raw, type_name)
-    seg = tg.Segment(type_name, 0, N, K, planes)
-    size = sum(t.numel() * t.element_size() for t in planes.values())
+    repacked = planes.repack(raw, type_name)
+    seg = tg.Segment(type_name, 0, N, K, repacked)
+    size = sum(t.numel() * t.element_size() for t in repacked.values())
     assert size <= raw.numel() * 1.05  # repacking keeps memory within 5% of the file's bytes
     out = torch.full((N, K), float("nan"))
     tg.dequant_into(seg, 0, N, out)
@@ -89,12 +90,12 @@ def test_repacked_planes_dequantize_exactly(tg, type_name: str) -> None:  # noqa
 @pytest.mark.parametrize("type_name", PRIORITY + OTHERS)
 def test_fused_kernel_matches_reference(tg, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 2)
-    seg = tg.Segment(type_name, 0, N, K, tg.repack(raw, type_name))
+    seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
     gen = torch.Generator().manual_seed(0)
     tokens = (1, 3, 17) if type_name in PRIORITY else (1, 17)
     for m in tokens:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
-        ref = tg.reference_matmul(raw, type_name, x)
+        ref = planes.reference_matmul(raw, type_name, x)
         bm = 1 if m == 1 else 16
         configs = [tg.KernelConfig(16, 256, 1, 4, 2, bm), tg.KernelConfig(32, 128, 2, 4, 2, bm)]
         if m > 1 and type_name in PRIORITY:
@@ -111,9 +112,9 @@ def test_batch1_gemv_matches_reference(tg, type_name: str) -> None:  # noqa: ANN
     rows, several row blocks and warps, K chunks that do and do not divide K (K = 1280)."""
     k = 1280
     raw = _raw(type_name, N, k, 4)
-    seg = tg.Segment(type_name, 0, N, k, tg.repack(raw, type_name))
+    seg = tg.Segment(type_name, 0, N, k, planes.repack(raw, type_name))
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    ref = tg.reference_matmul(raw, type_name, x)
+    ref = planes.reference_matmul(raw, type_name, x)
     got = tg.gemv_matmul(x, [seg], N)
     assert got.dtype == torch.bfloat16 and got.shape == (1, N)
     assert _rel(got, ref) < 1e-2

@@ -1,5 +1,5 @@
 """The batch-1 decode GEMV of GGUF weights on CUDA: y = W x for one token, W in the repacked planes
-of triton_gguf.py (tile order; no other layout, no extra memory).
+of planes.py (tile order; no other layout, no extra memory).
 
 Data flow: `triton_gguf.gemv_matmul` sends M == 1 here for every format `supports` accepts (IQ4
 and Q3_K, and M > 1, take triton_gguf's `_fused_kernel`) -> `gemv` -> one launch per segment, no
@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from paphos.quant.gguf.triton_gguf import Format, Segment
+    from paphos.quant.gguf.planes import Format
+    from paphos.quant.gguf.triton_gguf import Segment
 
 try:
     import triton
