@@ -49,7 +49,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_gpu import cuda_time, engine_steps, random_prompts, run_sections, write_synthetic_tokenizer  # noqa: E402
+from bench_gpu import (  # noqa: E402
+    cuda_time,
+    engine_steps,
+    kernel_profile,
+    print_profile,
+    random_prompts,
+    run_sections,
+    write_synthetic_tokenizer,
+)
 from make_random_gguf import random_blocks as gguf_random_blocks  # noqa: E402
 from make_random_gguf import write as write_gguf  # noqa: E402
 
@@ -57,6 +65,7 @@ from paphos import LLM  # noqa: E402
 from paphos.quant.gguf import planes  # noqa: E402
 from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
+from paphos.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("ceilings", "kernels", "gemv", "sweep", "crossover", "q4_k_m", "q8_0", "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
@@ -158,8 +167,10 @@ GEMV_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=False) for bn, w in (
     (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (4, 4), (8, 4), (1, 8), (2, 8), (4, 8))]  # fmt: skip
 # integer dots (Q4_0, Q4_K, Q8_0): rows per step, warps, rows per program
 GEMV_INT8_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=True, rows_per_program=rpp) for bn, w, rpp in (
-    (1, 4, 4), (2, 4, 8), (2, 4, 16), (4, 4, 16), (4, 4, 32), (2, 2, 8), (4, 2, 8), (1, 2, 4), (1, 8, 4), (2, 8, 8),
-    (2, 8, 16), (4, 8, 16), (1, 16, 4), (2, 16, 8))]  # fmt: skip
+    (1, 4, 16), (2, 4, 16), (2, 4, 32), (2, 4, 64), (4, 4, 16), (4, 4, 32), (1, 8, 8), (2, 8, 16), (4, 8, 32),
+    (1, 16, 16), (2, 16, 32))]  # fmt: skip
+# where integer dots apply, the float kernel's configurations that ever won there
+GEMV_FLOAT_FALLBACK = [tg.GemvConfig(bn, w, int8_x=False) for bn, w in ((1, 4), (4, 2))]
 
 
 L2_BYTES = 60 << 20  # H200 (H100: 50 MiB)
@@ -200,7 +211,10 @@ def graph_time(fns: list[Any], reps: int = 64) -> float:
 def section_gemv(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     bw = bench.results.get("copy_bw")
+    types = bench.args.gemv_types.split(",") if bench.args.gemv_types else None
     for type_name, name, n, k in GEMV_SHAPES:
+        if types and type_name not in types:
+            continue
         seg, raw = _segment(type_name, n, k)
         ref_w = dequantize(raw, type_name)
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
@@ -209,7 +223,7 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
         copies = _copies(seg)
         results = []
         int8 = tg.triton_gemv.integer_dots(seg.fmt)
-        for cfg in GEMV_CANDIDATES + (GEMV_INT8_CANDIDATES if int8 else []):
+        for cfg in GEMV_FLOAT_FALLBACK + GEMV_INT8_CANDIDATES if int8 else GEMV_CANDIDATES:
             dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
             fns = [partial(tg.triton_gemv.gemv, x[0], c_seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x,
                            cfg.rows_per_program) for c_seg in copies]  # fmt: skip
@@ -413,6 +427,9 @@ def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
             "tok_s": 1 / tpot, "step_ms": tpot * 1e3, "GBps": read_bytes / tpot / 1e9,
             "frac_copy_bw": read_bytes / tpot / bw if bw else None,
         }  # fmt: skip
+        if args.profile:
+            out["profile_batch1"] = _profile_decode(llm, vocab)
+            print_profile(f"{kind} batch-1 decode step", out["profile_batch1"])
         for batch in (16, 64):
             steps = engine_steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
             decode = [t for t, rows in steps[1:] if rows == batch]
@@ -434,6 +451,20 @@ def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
         "pp512_ratio": out["pp512"]["tok_s"] / ref["pp512"] if ref["pp512"] and "pp512" in out else None,
     }
     return out
+
+
+def _profile_decode(llm: LLM, vocab: int) -> dict[str, Any]:
+    """kernel_profile of batch-1 decode engine steps (a 128-token prompt, past its prefill)."""
+    engine = llm.engine
+    engine.add_request("profile", random_prompts(1, 128, vocab, 3)[0],
+                       SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    try:
+        return kernel_profile(engine.step, 16)
+    finally:
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 def _gguf_path(bench: Bench, mix: str) -> Path:
@@ -515,6 +546,9 @@ def main() -> None:
     parser.add_argument("--tmp", help="directory for the generated files (default: a new temp dir)")
     parser.add_argument("--gmu", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--gemv-types", help="gemv section: only these types (comma-separated)")
+    parser.add_argument("--profile", action="store_true",
+                        help="engine sections: also profile batch-1 decode steps (kernels, launches)")
     parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of the config sweep")
     args = parser.parse_args()
     bench = Bench(args)

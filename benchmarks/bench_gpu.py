@@ -89,6 +89,44 @@ def engine_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tu
     return steps
 
 
+def kernel_profile(fn: Callable[[], object], calls: int, top: int = 25) -> dict[str, Any]:
+    """`fn` run `calls` times under torch.profiler (CPU ops and CUDA kernels, CUDA graph replays'
+    kernels included): per call, the GPU time of each kernel (top `top`), the GPU busy time, the
+    wall time, and the host ops / kernel launches issued."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    wall = (time.perf_counter() - t0) / calls
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    host = [e for e in events if e.device_type.name == "CPU"]
+    launches = sum(e.count for e in host if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                       "cudaLaunchKernelExC"))  # fmt: skip
+    rows = sorted(kernels, key=lambda e: -e.device_time_total)
+    return {
+        "wall_ms_per_call": wall * 1e3,
+        "gpu_busy_ms_per_call": sum(e.device_time_total for e in kernels) / calls / 1e3,
+        "host_aten_ops_per_call": sum(e.count for e in host if e.key.startswith("aten::")) / calls,
+        "launches_per_call": launches / calls,
+        "kernels": [{"name": e.key[:120], "ms_per_call": e.device_time_total / calls / 1e3,
+                     "count_per_call": e.count / calls} for e in rows[:top]],
+    }  # fmt: skip
+
+
+def print_profile(title: str, prof: dict[str, Any]) -> None:
+    print(f"{title}: wall {prof['wall_ms_per_call']:.3f} ms, GPU busy {prof['gpu_busy_ms_per_call']:.3f} ms, "
+          f"{prof['host_aten_ops_per_call']:.0f} aten ops, {prof['launches_per_call']:.0f} launches per call")
+    for k in prof["kernels"]:
+        print(f"   {k['ms_per_call']:8.4f} ms  x{k['count_per_call']:6.1f}  {k['name']}")
+
+
 def run_sections(bench: Any, names: list[str], namespace: dict[str, Any]) -> None:
     """Runs `section_<name>(bench)` of `namespace` for each name into bench.results, saving after
     each; a failing section is recorded (and its GPU memory released) and the rest go on."""

@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
+from bench_gpu import kernel_profile, print_profile  # noqa: E402
+
 from paphos.sample import order as st  # noqa: E402
-from paphos.sample.fast import dense_tail, kernels  # noqa: E402
-from paphos.sample.fast.race import step_keys  # noqa: E402
+from paphos.sample.fast import dense_tail  # noqa: E402
 from paphos.sample.metadata import SamplingMetadata  # noqa: E402
 from paphos.sample.ops.min_p import apply_min_p  # noqa: E402
 from paphos.sample.ops.top_k_top_p import apply_top_k_top_p  # noqa: E402
@@ -130,23 +131,23 @@ def check(sampler: Sampler, logits: torch.Tensor, metadata: SamplingMetadata, st
 
 
 def tail_set_mismatches(logits: torch.Tensor, md: SamplingMetadata) -> int:
-    """Rows whose survivors of the fused (temperature, top-p, min-p) kernel differ from the ops'."""
+    """Rows whose survivors of the one-kernel (temperature, top-p, min-p) path differ from the ops'."""
     temp, top_p, min_p = md.col("temperature"), md.col("top_p"), md.col("min_p")
-    step = step_keys(md.seeds, md.positions, NUM_DRAWS)
-    _, _, last_v, last_id = kernels.tail(logits.float(), temp, top_p, min_p, step)
+    tail = dense_tail.sample(logits, logits, md, NUM_DRAWS)
     xs = logits.float() / temp.unsqueeze(1)
     ref = xs.clone()
     if st.TOP_P in md.groups[0].stages:
         ref = apply_top_k_top_p(ref, None, top_p)
     ref = apply_min_p(ref, min_p)
     ids = torch.arange(xs.shape[1], device=xs.device)
-    kept = (xs > last_v[:, None]) | ((xs == last_v[:, None]) & (ids <= last_id[:, None]))
+    last_v, last_id = tail.last_value[:, None], tail.last_id[:, None]
+    kept = (xs > last_v) | ((xs == last_v) & (ids <= last_id))
     kept &= (xs >= xs.amax(-1, keepdim=True) + torch.log(min_p)[:, None]) & torch.isfinite(xs)
     return int((kept != torch.isfinite(ref)).any(dim=-1).sum())
 
 
 def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.device, warmup: int,
-             repeats: int, iters: int, check_steps: int) -> dict:
+             repeats: int, iters: int, check_steps: int, profile: bool = False) -> dict:
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
     params = case_params(case, batch)
@@ -167,6 +168,8 @@ def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.devi
             row["reference_ms"] = timed(lambda: Sampler(fast=False)(logits, metadata), device, 1, 1, 1)
         sampler_ms = timed(lambda: sampler(logits, metadata), device, warmup, repeats, iters)
         argmax_ms = timed(lambda: logits.argmax(dim=-1), device, warmup, repeats, iters)
+        if profile:
+            row["profile"] = kernel_profile(lambda: sampler(logits, metadata), iters)
     build_ms = host_timed(build, repeats)
     row.update({"sampler_ms": sampler_ms, "build_ms": build_ms, "argmax_ms": argmax_ms,
                 "over_argmax_ms": sampler_ms - argmax_ms, "groups": len(metadata.groups),
@@ -188,6 +191,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="vocab 128256, batch 1 64 256, cases a-d only")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: per cell, the kernels, GPU busy time and host ops of a call (torch.profiler)")
     parser.add_argument("--no-check", action="store_true", help="skip the fast-vs-reference check")
     args = parser.parse_args()
     if args.quick:
@@ -203,11 +208,13 @@ def main() -> None:
         for batch in args.batch:
             for case in args.cases:
                 row = run_cell(case, batch, vocab, args.history, device, args.warmup, args.repeats,
-                               args.iters, 0 if args.no_check else args.check_steps)
+                               args.iters, 0 if args.no_check else args.check_steps, args.profile)
                 rows.append(row)
                 print(f"{case:>4} {batch:>6} {vocab:>7} {row['sampler_ms']:>11.3f} {row['over_argmax_ms']:>12.3f} "
                       f"{row['build_ms']:>9.3f} {row['groups']:>6} {row.get('reference_ms', float('nan')):>9.3f} "
                       f"{row.get('token_mismatches', '-'):>8} {row.get('tail_set_mismatch_rows', '-'):>8}", flush=True)
+                if "profile" in row:
+                    print_profile(f"  case {case} batch {batch}", row["profile"])
     if args.out:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "history": args.history,

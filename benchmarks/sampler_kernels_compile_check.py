@@ -1,5 +1,5 @@
-"""Compile every sampler Triton kernel (paphos/sample/fast/kernels.py) for an H100/H200 (sm_90)
-on any machine, no GPU needed: catches kernels that run under the interpreter but do not lower
+"""Compile every sampler Triton kernel (paphos/sample/fast/kernels.py, tail_kernels.py,
+history_kernels.py) for an H100/H200 (sm_90) on any machine, no GPU needed: catches kernels that run under the interpreter but do not lower
 for the GPU. Prints registers-free facts that matter: shared memory and local-memory (spill) use.
 
     python benchmarks/sampler_kernels_compile_check.py [--arch 90]
@@ -17,7 +17,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from paphos.sample.fast import history_kernels as hk  # noqa: E402
 from paphos.sample.fast import kernels as k  # noqa: E402
+from paphos.sample.fast import tail_kernels as tk  # noqa: E402
+from paphos.sample.metadata import COL  # noqa: E402
 
 P32, P64, I32 = "*fp32", "*i64", "i32"
 
@@ -28,34 +31,22 @@ def specs() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
     block, nbp = k.split_block(128256), 128
     x = {"x_ptr": P32, "stride": I32, "n_cols": I32}
     out = [
-        ("stats (row stats)", k._stats_kernel,
-         {**x, "t_ptr": P32, "pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32, "pmass_ptr": P32},
-         {"BLOCK": block, "SCALED": False, "BINS": 0}, 4),
-        ("stats (top-p bins)", k._stats_kernel,
-         {**x, "t_ptr": P32, "pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32, "pmass_ptr": P32},
-         {"BLOCK": block, "SCALED": True, "BINS": k.NBINS}, 8),
+        ("stats (row stats)", k._stats_kernel, {**x, "pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32},
+         {"BLOCK": block}, 4),
         ("stats combine", k._stats_combine_kernel,
          {"pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32, "nb": I32, "max_ptr": P32, "arg_ptr": P64,
           "lse_ptr": P32}, {"NBP": nbp}, 1),
-        ("tail select", k._tail_select_kernel,
-         {"pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32, "pmass_ptr": P32, "nb": I32, "p_ptr": P32,
-          "arg_ptr": P64, "fstate_ptr": P32, "state_ptr": P64},
-         {"NBP": nbp, "BINS": k.NBINS, "FS": k.FSTATE, "ST": k.STATE}, 4),
-        ("tail gather", k._tail_gather_kernel,
-         {**x, "t_ptr": P32, "state_ptr": P64, "buf_ptr": P64},
-         {"CAP": k.TAIL_CAP, "BLOCK": block, "ST": k.STATE}, 4),
-        ("tail boundary", k._tail_boundary_kernel,
-         {**x, "t_ptr": P32, "fstate_ptr": P32, "state_ptr": P64, "buf_ptr": P64, "last_v_ptr": P32},
-         {"CAP": k.TAIL_CAP, "K": k.TAIL_PIVOTS, "SBLOCK": 512, "FIRST_STEP": k.TAIL_FIRST_STEP, "FS": k.FSTATE,
-          "ST": k.STATE}, 8),
+        ("dense tail", tk._dense_tail_kernel,
+         {"raw_ptr": P32, "work_ptr": P32, "stride_raw": I32, "stride_work": I32, "n_cols": I32, "col_ptr": P32,
+          "col_stride": I32, "seed_ptr": P64, "pos_ptr": P64, "greedy_ptr": "*i1", "buf_ptr": P64, "tok_ptr": P64,
+          "int_ptr": P64, "flt_ptr": P32, "n_rows": I32},
+         {"T_COL": 0, "P_COL": 5, "MP_COL": 7, "SAME": True, "NUM_DRAWS": 2, "BLOCK": 512, "BINS": tk.NBINS,
+          "CAP": tk.TAIL_CAP, "K": tk.TAIL_PIVOTS, "SBLOCK": 512, "FIRST_STEP": tk.TAIL_FIRST_STEP}, 8),
         ("race combine", k._race_combine_kernel,
          {"pbest_ptr": P32, "pid_ptr": P64, "nb": I32, "out_ptr": P64}, {"NBP": nbp}, 1),
     ]
-    for tail in (False, True):
-        out.append((f"race (tail={tail})", k._race_kernel,
-                    {**x, "step_ptr": P64, "t_ptr": P32, "mp_ptr": P32, "fstate_ptr": P32, "state_ptr": P64,
-                     "pbest_ptr": P32, "pid_ptr": P64},
-                    {"BLOCK": block, "TAIL": tail, "FS": k.FSTATE, "ST": k.STATE}, 4))
+    out.append(("race", k._race_kernel, {**x, "step_ptr": P64, "pbest_ptr": P32, "pid_ptr": P64},
+                {"BLOCK": block}, 4))
     out += [
         ("prefix moments", k._prefix_moments_kernel, {**x, "part_ptr": P32}, {"BLOCK": block}, 4),
         ("prefix combine", k._prefix_combine_kernel, {"part_ptr": P32, "nb": I32, "stats_ptr": P32},
@@ -66,10 +57,17 @@ def specs() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
                  "code_ptr": "*i32", "n_codes": I32, "stats_ptr": P32, "seed_ptr": P64, "pos_ptr": P64,
                  "greedy_ptr": "*i1", "out_ptr": P64},
                 {"BLOCK": k.CHAIN_MAX_WIDTH, "NUM_DRAWS": 2, "NS": k.PREFIX_STATS}, 8))
+    for chunk in (512, hk.MAX_BLOCK):  # a 512-token history (bench_sampler.py), the widest chunk
+        out.append((f"history (chunk {chunk})", hk._history_kernel,
+                    {"x_ptr": P32, "x_stride": I32, "hist_ptr": P64, "hist_stride": I32, "length": I32,
+                     "nout_ptr": P64, "brk_ptr": P64, "brk_stride": I32, "n_brk": I32, "prm_ptr": P32,
+                     "prm_stride": I32, "code_ptr": "*i32", "key_ptr": P64, "agg_ptr": P64, "scratch_stride": I32},
+                    {"P0": COL[hk.HISTORY_PARAMS[0]], "NC": len(hk.HISTORY_CODE), "BLOCK": chunk,
+                     "LOG_BLOCK": chunk.bit_length() - 1}, hk.warps_for(chunk)))
     for dtype in ("bf16", "fp16"):
         out.append((f"stats (row stats, {dtype})", k._stats_kernel,
-                    {**x, "x_ptr": f"*{dtype}", "t_ptr": P32, "pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32,
-                     "pmass_ptr": P32}, {"BLOCK": block, "SCALED": False, "BINS": 0}, 4))
+                    {**x, "x_ptr": f"*{dtype}", "pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32},
+                    {"BLOCK": block}, 4))
     return out
 
 

@@ -16,7 +16,8 @@ steps x stages) instead of one chain per group.
 On CUDA, a batch whose rows all run history stages, then at most temperature and top-nσ, then
 top-k, then set stages (the default order, `temperature_last`, ...) gets a `FusedChain` plan: each
 row's chain stages as kernel codes in its own order (cached per request), run by one kernel on the
-top-k candidates (sample/fast/chain.py).
+top-k candidates (sample/fast/chain.py), and its history stages as codes for one history kernel
+(sample/fast/history.py).
 """
 
 from __future__ import annotations
@@ -30,15 +31,12 @@ import torch
 
 from paphos.sample import order as st
 from paphos.sample.fast.compact import SET_STAGES, capacity
+from paphos.sample.fast.history_kernels import HISTORY_CODE, HISTORY_PARAMS
 from paphos.sample.fast.kernels import CHAIN_CODE, CHAIN_MAX_WIDTH, CHAIN_PARAMS
 from paphos.sampling_params import SamplingParams
 
-# The chain kernel's parameters first (it reads them at fixed offsets), then the rest.
-COLUMNS = CHAIN_PARAMS + (
-    "repetition_penalty", "repetition_penalty_range", "rep_pen_slope", "frequency_penalty", "presence_penalty",
-    "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_range", "dry_max_ngram",
-    "dry_max_occurrences", "dry_early_exit_match_len", "mirostat_mode", "mirostat_tau", "mirostat_eta",
-)
+# The chain kernel's parameters first, then the history kernel's (each reads its own at fixed offsets).
+COLUMNS = CHAIN_PARAMS + HISTORY_PARAMS + ("mirostat_mode", "mirostat_tau", "mirostat_eta")
 COL = {name: i for i, name in enumerate(COLUMNS)}
 HISTORY_STAGES = frozenset({st.PENALTIES, st.DRY, st.NO_REPEAT_NGRAM})
 SKEW = "skew"  # runs after the chain, not a chain stage
@@ -52,6 +50,8 @@ class SamplerRow:
     enabled: frozenset[str]  # chain stages (and "skew") this row changes anything in
     # Its enabled fused-chain stages in its order, as kernel codes, 0-padded to len(CHAIN_STAGES).
     codes: tuple[int, ...]
+    # Its enabled history stages in its order, as history kernel codes, 0-padded to len(HISTORY_CODE).
+    history_codes: tuple[int, ...]
 
 
 def sampler_row(p: SamplingParams) -> SamplerRow:
@@ -121,7 +121,9 @@ def sampler_row(p: SamplingParams) -> SamplerRow:
     enabled = frozenset(s for s, on in checks.items() if on)
     codes = tuple(CHAIN_CODE[s] for s in p.order if s in enabled and s in CHAIN_CODE)
     codes += (0,) * (len(CHAIN_CODE) - len(codes))
-    row = SamplerRow(tuple(float(values[c]) for c in COLUMNS), enabled, codes)
+    history = tuple(HISTORY_CODE[s] for s in p.order if s in enabled and s in HISTORY_CODE)
+    history += (0,) * (len(HISTORY_CODE) - len(history))
+    row = SamplerRow(tuple(float(values[c]) for c in COLUMNS), enabled, codes, history)
     p.__dict__[_CACHE_ATTR] = row
     return row
 
@@ -141,6 +143,9 @@ class FusedChain:
 
     history: list[StageGroup]  # the groups' history stages, run first on [R, V] by the torch ops
     codes: torch.Tensor  # int32 [R, S]: each row's chain stages in its order, 0-padded
+    # int32 [R, len(HISTORY_CODE)]: each row's history stages in its order, 0-padded (the history
+    # kernel, sample/fast/history.py, runs them instead of `history` on CUDA)
+    history_codes: torch.Tensor
     bound: int  # largest top_k of the sampling rows (the candidates: compact.capacity(bound, V))
     # Some row runs dynatemp or top-nσ before its top-k: they need full-vocabulary statistics.
     prefix_stats: bool
@@ -436,6 +441,10 @@ def _groups(
     if plan is not None:
         codes = np.array([r.codes for r in rows_info], dtype=np.int32)
         codes = codes[:, : max(1, int((codes != 0).sum(axis=1).max()))]
+        history_codes = np.array([r.history_codes for r in rows_info], dtype=np.int32)
+        # Both code tables in one transfer, each a contiguous view of it.
+        both = torch.from_numpy(np.concatenate([codes.ravel(), history_codes.ravel()])).to(device)
         history = [StageGroup(tuple(s for s in g.stages if s in HISTORY_STAGES), g.rows) for g in groups]
-        fused = FusedChain([g for g in history if g.stages], torch.from_numpy(codes).to(device), *plan)
+        fused = FusedChain([g for g in history if g.stages], both[: codes.size].view(codes.shape),
+                           both[codes.size:].view(history_codes.shape), *plan)
     return groups, slots, fused

@@ -7,10 +7,10 @@ Pipeline, per row and independent of batch companions (contract §4.1):
   -> the ordered chain, per group of rows sharing an order (metadata.py), each stage one op under
      ops/ that is the identity for neutral values and runs only when some row of the group uses it;
      from a top-k with a host-known bound on, the chain runs on compacted [R, C] candidates
-     (fast/compact.py); a batch-wide (temperature, top-p, min-p) group runs fused kernels on
-     CUDA (fast/dense_tail.py); many orders over few stages run by slot (metadata.py); on CUDA a
-     batch with a `fused` plan runs its history stages, then one kernel from top-k to the draw,
-     every row in its own order (fast/chain.py)
+     (fast/compact.py); a batch-wide (temperature, top-p, min-p) group is one kernel on CUDA,
+     row stats and the draw included (fast/dense_tail.py); many orders over few stages run by slot (metadata.py); on CUDA a
+     batch with a `fused` plan runs its history stages in one kernel (fast/history.py), then one
+     kernel from top-k to the draw, every row in its own order (fast/chain.py)
   -> skew -> select: greedy rows take the argmax; the others the exponential race with their own
      counter-based per-token uniforms (fast/race.py); mirostat rows then update their mu.
 There is no host<->device synchronisation in here: the caller reads the sampled ids back once.
@@ -29,6 +29,7 @@ from paphos.sample import order as st
 from paphos.sample.fast import chain as fused_chain
 from paphos.sample.fast import compact as fast_compact
 from paphos.sample.fast import dense_tail
+from paphos.sample.fast import history as fast_history
 from paphos.sample.fast.race import race, step_keys
 from paphos.sample.fast.rowstats import row_stats
 from paphos.sample.metadata import SamplingMetadata, StageGroup
@@ -219,6 +220,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
+        if self.fast and dense_tail.applicable(md, logits):
+            # one kernel: the raw logsumexp, the chain and the draw (the pre-chain edits a copy)
+            work = apply_pre_chain(logits.to(torch.float32, copy=True), md) if md.has_pre_chain else logits
+            tail = dense_tail.sample(logits, work, md, NUM_DRAWS)
+            return self._output(logits, md, tail.token, tail.logprob, tail.lse, None)
         if self.fast:
             amax, argmax, lse = row_stats(logits)
         else:
@@ -233,12 +239,16 @@ class Sampler:
             work = apply_pre_chain(work.clone() if work is logits else work, md)
             sampled, new_mu = self._select(work, md)
             sampled_raw = logits.gather(1, sampled.unsqueeze(1)).float()
-        sampled_logprobs = (sampled_raw - lse.unsqueeze(1)).squeeze(1)
+        return self._output(logits, md, sampled, (sampled_raw - lse.unsqueeze(1)).squeeze(1), lse, new_mu)
+
+    @staticmethod
+    def _output(logits: torch.Tensor, md: SamplingMetadata, sampled: torch.Tensor, sampled_logprobs: torch.Tensor,
+                lse: torch.Tensor, new_mu: torch.Tensor | None) -> SamplerOutput:
+        """The output, with ranks and alternatives when some row asked for logprobs."""
         ranks = top_ids = top_lps = None
         if md.max_num_logprobs is not None:
-            # Only requests that asked for logprobs read ranks and alternatives.
             raw = logits.float()
-            ranks = (raw > sampled_raw).sum(dim=-1) + 1
+            ranks = (raw > raw.gather(1, sampled.unsqueeze(1))).sum(dim=-1) + 1
             if md.max_num_logprobs > 0:
                 top_raw, top_ids = raw.topk(md.max_num_logprobs, dim=-1)
                 top_lps = top_raw - lse.unsqueeze(1)
@@ -266,13 +276,14 @@ class Sampler:
     @staticmethod
     def _fused(work: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         assert md.fused is not None
-        work = _run_groups(work, md, md.fused.history, None, False)
+        if fast_history.applicable(md, work):
+            work = fast_history.apply(work, md)
+        else:
+            work = _run_groups(work, md, md.fused.history, None, False)
         return fused_chain.sample(work, md, NUM_DRAWS)
 
     def _unfused(self, work: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = None if md.all_greedy else step_keys(md.seeds, md.positions, NUM_DRAWS)
-        if self.fast and step is not None and dense_tail.applicable(md, work):
-            return dense_tail.sample(work, md, step), None
         coins = None
         if any(st.XTC in g.stages for g in md.groups):
             coins = uniforms(md.seeds, md.positions, NUM_DRAWS)[:, 1]

@@ -26,7 +26,12 @@ def test_gguf_kernels_compile_for_sm90() -> None:
 _POINTER = {0: "*fp16", 1: "*i8", 2: "*u8"}
 
 
-def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int) -> str:
+def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int,
+             ints: dict[str, int] | None = None) -> str:
+    """PTX of the kernel for sm_90, with ptxas' resource usage appended (cuobjdump of the cubin).
+    `ints`: values of integer arguments, specialised as a launch does (a multiple of 16)."""
+    import tempfile
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -36,11 +41,16 @@ def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], wa
     aligned = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(signature)
-        if args.get(name, "").startswith("*")
+        if args.get(name, "").startswith("*") or (ints or {}).get(name, 1) % 16 == 0
     }
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
-    return kernel.asm["ptx"]
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    return kernel.asm["ptx"] + usage
 
 
 def _plane_args(fmt: object, lo: str = "*i32") -> dict[str, str]:
@@ -50,18 +60,24 @@ def _plane_args(fmt: object, lo: str = "*i32") -> dict[str, str]:
     }  # fmt: skip
 
 
-def _integer_gemv(type_name: str) -> None:
+def _integer_gemv(type_name: str, rows: int, k: int) -> None:
+    """The launch `default_gemv_config` picks for a (rows, K) weight, as `triton_gemv.gemv` makes it."""
     from paphos.quant.gguf import planes
     from paphos.quant.gguf import triton_gemv as gemv
+    from paphos.quant.gguf import triton_gguf as tg
 
     fmt = planes.FORMATS[type_name]
     assert gemv.integer_dots(fmt)
+    cfg = tg.default_gemv_config(type_name, rows, k)
     args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_plane_args(fmt)}
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
-                      TW=fmt.tile_words, BN=2, T=4096 // fmt.tile_values, RPP=8, ASM=True)  # fmt: skip
-    ptx = _compile(gemv._gemv_int8_kernel, args, constexprs, 4)
-    assert "dp4a.s32.s32" in ptx and ".local" not in ptx
+                      TW=fmt.tile_words, BN=cfg.block_n, T=1 << (k // fmt.tile_values - 1).bit_length(),
+                      RPP=cfg.rows_per_program, ASM=True)  # fmt: skip
+    ints = dict(N=rows, K=k, stride_lo=k * fmt.lo // 32, stride_hi=k * fmt.hi // 32, stride_g=k // fmt.sg,
+                stride_s=k // 256)  # fmt: skip
+    ptx = _compile(gemv._gemv_int8_kernel, args, constexprs, cfg.num_warps, ints)
+    assert "dp4a.s32.s32" in ptx and "STACK:0 " in ptx, ptx[-300:]  # no register spills
 
 
 def _float_gemv(type_name: str) -> None:
@@ -74,7 +90,7 @@ def _float_gemv(type_name: str) -> None:
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
                       SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=2, KC=64 * fmt.tile_values, EVEN_K=False)  # fmt: skip
-    assert ".local" not in _compile(gemv._gemv_kernel, args, constexprs, 2)
+    assert "STACK:0 " in _compile(gemv._gemv_kernel, args, constexprs, 2)
 
 
 def _fused(type_name: str, block_m: int) -> None:
@@ -103,7 +119,9 @@ def _gather(type_name: str) -> None:
 
 
 CASES = {
-    **{f"int8-gemv-{t}": (_integer_gemv, t) for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_1")},
+    # Llama-3-8B's attention output, gate|up and down projections
+    **{f"int8-gemv-{t}-{n}x{k}": (_integer_gemv, t, n, k) for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_1")
+       for n, k in ((4096, 4096), (28672, 4096), (4096, 14336))},
     **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
     "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
     "gather-Q6_K": (_gather, "Q6_K"),

@@ -25,23 +25,25 @@ from paphos.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def interpreted() -> Iterator[object]:
-    """paphos.sample.fast.kernels imported under the interpreter (re-imported if it was compiled)."""
+    """paphos.sample.fast.kernels and tail_kernels imported under the interpreter (re-imported if
+    they were compiled; tail_kernels calls kernels' helpers through the module)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    name = "paphos.sample.fast.kernels"
+    names = ("paphos.sample.fast.kernels", "paphos.sample.fast.tail_kernels")
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    module = importlib.import_module(name)
-    reloaded = not isinstance(module._race_kernel, InterpretedFunction)
+    modules = [importlib.import_module(name) for name in names]
+    reloaded = not isinstance(modules[0]._race_kernel, InterpretedFunction)
     if reloaded:
-        module = importlib.reload(module)
+        modules = [importlib.reload(module) for module in modules]
     if previous is None:
         os.environ.pop("TRITON_INTERPRET")
     else:
         os.environ["TRITON_INTERPRET"] = previous
-    yield module
+    yield modules[0]
     if reloaded:
-        importlib.reload(sys.modules[name])
+        for name in names:
+            importlib.reload(sys.modules[name])
 
 
 @pytest.fixture
@@ -49,6 +51,12 @@ def kernels(interpreted) -> Iterator[object]:
     """The kernels forced on CPU tensors for one test (the others run the torch formulations)."""
     with interpreted.force_kernels():
         yield interpreted
+
+
+@pytest.fixture
+def tail(kernels) -> object:
+    """tail_kernels, interpreted, with the kernels forced."""
+    return sys.modules["paphos.sample.fast.tail_kernels"]
 
 
 def logits_cases(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -85,28 +93,53 @@ def test_race_kernel_matches_torch(kernels, block: int | None) -> None:
     assert torch.isfinite(x.gather(1, got.unsqueeze(1))).all()
 
 
-# (seed, cap, block): the bracket gathered by the tiles and sorted (large cap), narrowed in one
-# program first (cap 16, 4 pivots: the bracket search and the tie path both run), one or many tiles.
-@pytest.mark.parametrize(("seed", "cap", "block"), [(0, 16, None), (1, 16, 64), (0, 256, 64), (1, 256, None)])
-def test_tail_kernel_survivors_and_tokens_match_the_ops(kernels, seed: int, cap: int, block: int | None) -> None:
+# (seed, cap, block): the bracket gathered and sorted (large cap), or narrowed first (cap 16, 4
+# pivots: the bracket search and the tie path both run); one block or many per row.
+@pytest.mark.parametrize(("seed", "cap", "block"), [(0, 16, 1024), (1, 16, 64), (0, 256, 64), (1, 256, 1024)])
+def test_dense_tail_kernel_survivors_tokens_and_logprobs_match_the_ops(kernels, tail, seed: int, cap: int,
+                                                                       block: int) -> None:
     from paphos.sample.fast import race as race_mod
 
-    rows, vocab = 8, 600
+    rows, vocab = 10, 600
     x = logits_cases(rows, vocab, seed)
-    temp = torch.tensor([0.8, 1.0, 1.0, 2.0, 0.5, 1.3, 0.7, 1.0])
-    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.3, 0.99, 0.6, 1.0])
-    min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0, 0.02, 0.0, 0.0])  # last row neutral
-    step = race_mod.step_keys(torch.arange(rows) + 100 * seed, torch.arange(rows), 2)
-    tok, arg, last_v, last_id = kernels.tail(x, temp, top_p, min_p, step, cap=cap, pivots=4, block=block)
+    temp = torch.tensor([0.8, 1.0, 1.0, 2.0, 0.5, 1.3, 0.7, 1.0, 1.0, 0.9])
+    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.3, 0.99, 0.6, 1.0, 1.0, 0.8])
+    # row 7 neutral; row 8 greedy; row 9: min-p far above the top-p bracket
+    min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0, 0.02, 0.0, 0.0, 0.0, 0.9])
+    greedy = torch.zeros(rows, dtype=torch.bool)
+    greedy[8] = True
+    columns = torch.stack([temp, top_p, min_p, torch.zeros(rows)], dim=1)
+    seeds, positions = torch.arange(rows) + 100 * seed, torch.arange(rows)
+    got = tail.dense_tail(x, x, columns, (0, 1, 2), seeds, positions, greedy, 2, cap=cap, pivots=4, block=block)
     xs = x / temp.unsqueeze(1)
     ref = apply_min_p(apply_top_k_top_p(xs.clone(), None, top_p), min_p)
     ids = torch.arange(vocab)
-    kept = (xs > last_v[:, None]) | ((xs == last_v[:, None]) & (ids <= last_id[:, None]))
+    kept = (xs > got.last_value[:, None]) | ((xs == got.last_value[:, None]) & (ids <= got.last_id[:, None]))
     kept &= (xs >= xs.amax(-1, keepdim=True) + torch.log(min_p)[:, None]) & torch.isfinite(xs)
-    assert torch.equal(kept, torch.isfinite(ref))
+    sampling = ~greedy
+    assert torch.equal(kept[sampling], torch.isfinite(ref)[sampling])
     with kernels.force_kernels(False):
-        assert torch.equal(tok, race_mod.race(ref, step))
-    assert torch.equal(arg, xs.argmax(-1))
+        want = race_mod.race(ref, race_mod.step_keys(seeds, positions, 2))
+    want[greedy] = x[greedy].argmax(-1)
+    assert torch.equal(got.token, want)
+    assert torch.equal(got.argmax, xs.argmax(-1))
+    torch.testing.assert_close(got.lse, x.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.logprob, x.gather(1, want[:, None])[:, 0] - x.logsumexp(-1), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_dense_tail_kernel_reads_raw_and_prechained_logits_apart(tail) -> None:
+    """With a pre-chain the kernel samples from the edited copy and scores with the raw logits."""
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)) * 3
+    x[:, 2] = 30.0  # the raw argmax, banned below
+    work = x.clone()
+    work[:, :5] = -math.inf  # e.g. banned ids
+    columns = torch.tensor([[0.9, 0.9, 0.05]] * 4)
+    got = tail.dense_tail(x, work, columns, (0, 1, 2), torch.arange(4), torch.zeros(4, dtype=torch.int64),
+                             torch.zeros(4, dtype=torch.bool), 2)
+    assert (got.token >= 5).all()
+    torch.testing.assert_close(got.lse, x.logsumexp(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.logprob, x.gather(1, got.token[:, None])[:, 0] - x.logsumexp(-1))
 
 
 EVERY = dict(

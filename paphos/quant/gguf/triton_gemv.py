@@ -195,13 +195,30 @@ if triton is not None:
         return tl.sum(d, axis=2)
 
     @triton.jit
-    def group_scale_min(
+    def scale_loads(
         sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s,
         SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr,
     ):  # fmt: skip
-        """Rows r [BN, 1] and scale groups g [G] -> (scale, min) [BN, G] float32: a value of the
-        group is scale * (code - OFF) + min (min 0 without MINK). Shared with triton_gguf's tiles."""
+        """The raw scale-group planes of rows r [BN, 1] and groups g [G] (what `scale_decode`
+        reads): loaded apart from the decoding so a GEMV can issue them ahead of use."""
         sc = tl.load(sc_ptr + r * stride_g + g[None, :], mask=m2, other=0)
+        sd = sc
+        if SCALE != 0:
+            sd = tl.load(sd_ptr + r * stride_s + (g // (256 // SG))[None, :], mask=m2, other=0)
+        mn = sc
+        if MINK == 1 or (MINK == 2 and not SCMIN_NIB):
+            mn = tl.load(mn_ptr + r * stride_g + g[None, :], mask=m2, other=0)
+        smin = sc
+        if MINK == 2:
+            smin = tl.load(smin_ptr + r * stride_s + (g // (256 // SG))[None, :], mask=m2, other=0)
+        return sc, sd, mn, smin
+
+    @triton.jit
+    def scale_decode(
+        sc, sd, mn, smin, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr,
+    ):  # fmt: skip
+        """`scale_loads`' planes -> (scale, min) [BN, G] float32: a value of the group is
+        scale * (code - OFF) + min (min 0 without MINK)."""
         if SCMIN_NIB:
             sc_int = sc.to(tl.int32) & 15
         else:
@@ -209,19 +226,28 @@ if triton is not None:
         if SCALE == 0:
             s = sc_int.to(tl.float32)
         else:
-            sd = tl.load(sd_ptr + r * stride_s + (g // (256 // SG))[None, :], mask=m2, other=0)
             s = sd.to(tl.float32) * sc_int.to(tl.float32)
         m = tl.zeros(s.shape, dtype=tl.float32)
         if MINK == 1:
-            m = tl.load(mn_ptr + r * stride_g + g[None, :], mask=m2, other=0).to(tl.float32)
+            m = mn.to(tl.float32)
         elif MINK == 2:
-            smin = tl.load(smin_ptr + r * stride_s + (g // (256 // SG))[None, :], mask=m2, other=0)
             if SCMIN_NIB:
                 mq = (sc.to(tl.int32) >> 4).to(tl.float32)
             else:
-                mq = tl.load(mn_ptr + r * stride_g + g[None, :], mask=m2, other=0).to(tl.float32)
+                mq = mn.to(tl.float32)
             m = -(smin.to(tl.float32) * mq)
         return s, m
+
+    @triton.jit
+    def group_scale_min(
+        sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s,
+        SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr,
+    ):  # fmt: skip
+        """Rows r [BN, 1] and scale groups g [G] -> (scale, min) [BN, G] float32 (`scale_decode`).
+        Shared with triton_gguf's tiles."""
+        sc, sd, mn, smin = scale_loads(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s, SG, SCALE,
+                                       MINK, SCMIN_NIB)  # fmt: skip
+        return scale_decode(sc, sd, mn, smin, SCALE, MINK, SCMIN_NIB)
 
     @triton.jit
     def _scaled(
@@ -273,6 +299,47 @@ if triton is not None:
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
+    def _int8_block_loads(
+        lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows, N, t, t_ok, g, stride_lo, stride_hi, stride_g,
+        stride_s, hi_tile_stride,
+        HI: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, TW: tl.constexpr,
+    ):  # fmt: skip
+        """Every plane a block of rows reads: low words [BN, T, TW], the high word per tile group
+        (Q6_K) and the scale planes [BN, T]."""
+        r = rows.to(tl.int64)[:, None]
+        m2 = (rows < N)[:, None] & t_ok[None, :]
+        m3 = m2[:, :, None]
+        w = tl.arange(0, TW)
+        lo = tl.load(lo_ptr + r[:, :, None] * stride_lo + (t * TW)[None, :, None] + w[None, None, :], mask=m3,
+                     other=0)  # fmt: skip
+        hi = lo
+        if HI > 0:
+            # (a runtime stride of 1: see _tile_dots)
+            hi = tl.load(hi_ptr + r[:, :, None] * stride_hi + (t * hi_tile_stride)[None, :, None], mask=m3,
+                         other=0)  # fmt: skip
+        sc, sd, mn, smin = scale_loads(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s, SG, SCALE,
+                                       MINK, False)  # fmt: skip
+        return lo, hi, sc, sd, mn, smin
+
+    @triton.jit
+    def _int8_block_out(
+        lo, hi, sc, sd, mn, smin, q1a, q1b, q2a, q2b, dx, dr, xsum, rows, N, out_ptr,
+        LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr,
+        TW: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
+        """A block of rows' outputs from its planes (`_int8_block_loads`) and the quantized x."""
+        ca, cb = _code_bytes(lo, hi, LO, HI, TW)
+        dot = (_int8_dot(ca, cb, q1a, q1b, LO, ASM).to(tl.float32) * dx[None, :]
+               + _int8_dot(ca, cb, q2a, q2b, LO, ASM).to(tl.float32) * dr[None, :])  # fmt: skip
+        if OFF > 0:
+            dot -= OFF * xsum[None, :]
+        s, m = scale_decode(sc, sd, mn, smin, SCALE, MINK, False)
+        term = s * dot
+        if MINK > 0:
+            term += m * xsum[None, :]
+        tl.store(out_ptr + rows, tl.sum(term, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
     def _gemv_int8_kernel(
         x_ptr, out_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, N, K, stride_lo, stride_hi, stride_g,
         stride_s, hi_tile_stride,
@@ -282,36 +349,32 @@ if triton is not None:
     ):  # fmt: skip
         """Integer dot products (`integer_dots` formats): one program per RPP rows and the whole
         of K (T tile groups, a power of two >= K / TV); x is quantized once per program, then BN
-        rows at a time stream past it."""
+        rows at a time stream past it. Software-pipelined: every load of the next row block is
+        issued before this block's row sums (whose cross-warp reduction is a barrier the compiler
+        does not move loads across), and the first block's before x is quantized, so a program
+        keeps a block's reads in flight while it computes."""
         TV: tl.constexpr = TW * 32 // LO
         t = tl.arange(0, T)
         t_ok = t < K // TV
+        g = t * TV // SG
+        rows = tl.program_id(0) * RPP + tl.arange(0, BN)
+        lo, hi, sc, sd, mn, smin = _int8_block_loads(
+            lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows, N, t, t_ok, g, stride_lo, stride_hi, stride_g,
+            stride_s, hi_tile_stride, HI, SG, SCALE, MINK, TW,
+        )  # fmt: skip
         q1a, q1b, q2a, q2b, dx, xsum = _quantize_x(x_ptr, t, t_ok, LO, TW)
         dr = dx * (1.0 / 254.0)
-        w = tl.arange(0, TW)
-        g = t * TV // SG
-        for rb in tl.static_range(0, RPP, BN):  # unrolled: the row blocks' loads overlap
-            rows = tl.program_id(0) * RPP + rb + tl.arange(0, BN)
-            row_ok = rows < N
-            r = rows.to(tl.int64)[:, None]
-            m2 = row_ok[:, None] & t_ok[None, :]
-            m3 = m2[:, :, None]
-            lo = tl.load(lo_ptr + r[:, :, None] * stride_lo + (t * TW)[None, :, None] + w[None, None, :], mask=m3,
-                         other=0)  # fmt: skip
-            hi = lo
-            if HI > 0:
-                # (a runtime stride of 1: see _tile_dots)
-                hi = tl.load(hi_ptr + r[:, :, None] * stride_hi + (t * hi_tile_stride)[None, :, None], mask=m3,
-                             other=0)  # fmt: skip
-            ca, cb = _code_bytes(lo, hi, LO, HI, TW)
-            dot = (_int8_dot(ca, cb, q1a, q1b, LO, ASM).to(tl.float32) * dx[None, :]
-                   + _int8_dot(ca, cb, q2a, q2b, LO, ASM).to(tl.float32) * dr[None, :])  # fmt: skip
-            if OFF > 0:
-                dot -= OFF * xsum[None, :]
-            term = _scaled(dot, xsum, r, g, m2, sc_ptr, sd_ptr, mn_ptr, smin_ptr, stride_g, stride_s, SG, SCALE,
-                           MINK, False)  # fmt: skip
-            tl.store(out_ptr + rows, tl.sum(term, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
-
+        for rb in tl.static_range(0, RPP, BN):
+            if rb + BN < RPP:
+                lo_n, hi_n, sc_n, sd_n, mn_n, smin_n = _int8_block_loads(
+                    lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows + BN, N, t, t_ok, g, stride_lo,
+                    stride_hi, stride_g, stride_s, hi_tile_stride, HI, SG, SCALE, MINK, TW,
+                )  # fmt: skip
+            _int8_block_out(lo, hi, sc, sd, mn, smin, q1a, q1b, q2a, q2b, dx, dr, xsum, rows, N, out_ptr, LO, HI,
+                            OFF, SCALE, MINK, TW, ASM)  # fmt: skip
+            if rb + BN < RPP:
+                lo, hi, sc, sd, mn, smin = lo_n, hi_n, sc_n, sd_n, mn_n, smin_n
+                rows += BN
 
 DEFAULT_BLOCK_N = 4
 DEFAULT_WARPS = 4

@@ -342,18 +342,18 @@ GEMV_FLOAT_DEFAULTS: dict[str, GemvConfig] = {
 
 
 def default_gemv_config(type_name: str, rows: int, k: int) -> GemvConfig:
-    """By rule where the benchmark's sweep has not tuned the shape (H200, Llama-3-8B shapes):
-    integer dots take 2 rows per step, 8 rows per program on narrow weights (more programs) and 16
-    on wide ones; past 512 tile groups of K (Q8_0's down projection) x fills the registers, so 1
-    row per step and 4 per program."""
+    """By rule where the benchmark's sweep has not tuned the shape (the H200 sweep of the pipelined
+    integer GEMV on Llama-3-8B shapes): past 256 tile groups of K (the down projections) x and
+    two row blocks fill the registers of 4 warps, so 16 warps, 2 rows per step, 32 per program;
+    narrow weights 4 rows per step and 16 per program; wide ones 2 per step and 32 per program."""
     fmt = FORMATS[type_name]
     if not triton_gemv.integer_dots(fmt):
         return GEMV_FLOAT_DEFAULTS.get(type_name, GemvConfig(1, 4))
-    if k // fmt.tile_values > 512:
-        return GemvConfig(1, 4, rows_per_program=4)
+    if k // fmt.tile_values > 256:
+        return GemvConfig(2, 16, rows_per_program=32)
     if rows <= 8192:
-        return GemvConfig(2, 2, rows_per_program=8)
-    return GemvConfig(2, 4, rows_per_program=16)
+        return GemvConfig(4, 4, rows_per_program=16)
+    return GemvConfig(2, 4, rows_per_program=32)
 
 
 def matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:

@@ -1,21 +1,22 @@
-"""Fused (static temperature, top-p, min-p, race) for dense groups, on CUDA (kernels.tail).
+"""Static temperature, top-p, min-p and the draw for dense rows, on CUDA: one kernel launch per
+step (tail_kernels.dense_tail), which also gives the raw logsumexp and the sampled token's logprob.
 
-A group whose chain is a subsequence of (temperature, top_p, min_p) in that order (the default
-order's relative order), without dynatemp or skew, covering the whole batch, needs from each row
-only: x / T, the top-p boundary, the min-p threshold and the race. The kernels read the row about
-three times, split over ~128 tiles per row (a batch-1 step uses the whole GPU), and never write a
-masked copy of the logits: (1) per tile the max, argmax, normaliser and the mass per 1-nat bin of
-x / T; per row, the bin where the mass from the top crosses p * total; (2) that bin's tokens into
-a small buffer, sorted there by (value desc, id asc) to find the last kept token exactly (a bin of
-more than TAIL_CAP tokens is narrowed first, in one program); (3) the race over the survivors, per
-tile, then the best tile. Same semantics as the ops:
+A batch whose only group of rows (all of them) runs a subsequence of (temperature, top_p, min_p)
+in that order (the default order's relative order), without dynatemp or skew, needs from each row
+only: x / T, the top-p boundary, the min-p threshold and the race. One program per row reads its
+row twice and never writes a masked copy: (1) the raw logsumexp and, of x / T, the max, argmax,
+normaliser and the mass per 1-nat bin below the max: the bin where the mass from the top crosses
+p * total brackets the boundary; (2) the race over the tokens above the bracket that pass min-p,
+and the bracket's tokens into a small buffer when min-p leaves any of them, sorted there by
+(value desc, id asc) to find the last kept token exactly (a bracket of more than TAIL_CAP tokens
+is narrowed first). The host issues one launch and three allocations: at batch 1 the step costs
+about what `argmax` costs, at batch 256 two reads of the logits. Same semantics as the ops:
 - temperature: x / T rounded as torch's division (div_rn);
 - top-p: keep the shortest (value desc, id asc) prefix whose mass before each token is < p * Z,
-  at least one token, rows at p >= 1 exempt; the boundary is found exactly on float keys, float
-  sums in another order than the sort path's cumsum may move a token whose mass-before equals p
-  within rounding;
+  at least one token, rows at p >= 1 exempt; float sums in another order than the sort path's
+  cumsum may move a token whose mass-before equals p within rounding;
 - min-p after top-p: keep x / T >= max + log(min_p);
-- the race of race.py over the survivors, greedy rows take the first argmax.
+- the race of race.py over the survivors keyed by (seed, position), greedy rows the first argmax.
 Anywhere else (CPU) the chain's ops and race.py run instead; tests compare the two.
 """
 
@@ -24,19 +25,21 @@ from __future__ import annotations
 import torch
 
 from paphos.sample import order as st
-from paphos.sample.fast import kernels
-from paphos.sample.metadata import SamplingMetadata, StageGroup
+from paphos.sample.fast import kernels, tail_kernels
+from paphos.sample.metadata import COL, SamplingMetadata, StageGroup
 
 ORDER = (st.TEMPERATURE, st.TOP_P, st.MIN_P)
+_COLUMNS = (COL["temperature"], COL["top_p"], COL["min_p"])
 
 
 def applicable(md: SamplingMetadata, x: torch.Tensor) -> bool:
-    if not kernels.use_kernels(x) or len(md.groups) != 1 or md.dynatemp or md.skew:
+    if md.all_greedy or not kernels.use_kernels(x) or len(md.groups) != 1 or md.dynatemp or md.skew:
         return False
     group: StageGroup = md.groups[0]
     return group.rows is None and group.stages == tuple(s for s in ORDER if s in group.stages)
 
 
-def sample(x: torch.Tensor, md: SamplingMetadata, step: torch.Tensor) -> torch.Tensor:
-    tok, arg, _, _ = kernels.tail(x, md.col("temperature"), md.col("top_p"), md.col("min_p"), step)
-    return tok if md.all_random else torch.where(md.greedy_rows, arg, tok)
+def sample(raw: torch.Tensor, work: torch.Tensor, md: SamplingMetadata, num_draws: int) -> tail_kernels.TailResult:
+    """raw: the logits (logsumexp, logprobs); work: what the chain reads (raw, or its pre-chained
+    float32 copy)."""
+    return tail_kernels.dense_tail(raw, work, md.columns, _COLUMNS, md.seeds, md.positions, md.greedy_rows, num_draws)

@@ -1,21 +1,21 @@
-"""Triton kernels of the sampler fast paths; each row's vocabulary is split over many programs.
+"""Triton kernels of the sampler fast paths: row stats, the race, the fused chain; the float keys,
+hash and race step that tail_kernels.py (the dense tail) shares.
 
 Each kernel has a torch formulation next to its caller (rowstats.py, race.py, dense_tail.py,
 chain.py): the torch code is the CPU path and the reference the tests compare against. Kernels run
 on CUDA tensors; tests force them on CPU tensors under the Triton interpreter (`force_kernels`).
 
-Layout: a row of V logits is cut into NB tiles of BLOCK columns; full passes run on a grid
-(rows, NB), one tile per program, and write per-tile partials [R, NB, ...] that a one-program-
-per-row kernel (or the next pass) combines in a fixed order. A batch-1 step of a 128k vocabulary
-then spreads over ~128 SMs instead of one, and every reduction has the same order whatever the
-batch, so a seeded row draws the same token alone or among others. The fused chain (_chain_kernel)
-is one program per row: after top-k a row's candidates fit in registers, and its stages, each a
-full reduction over them, run back to back there without a launch or a memory round trip each. No launch depends on data
-known only on the device (no host sync); rare data-dependent work (a dense top-p bracket) runs
-inside a kernel that every row enters and most leave at once.
+Layout: row stats and the race cut a row of V logits into NB tiles of BLOCK columns on a grid
+(rows, NB), one tile per program, and write per-tile partials [R, NB] that a one-program-per-row
+kernel combines in a fixed order: a batch-1 step of a 128k vocabulary spreads over ~128 SMs, and
+every reduction has the same order whatever the batch, so a seeded row draws the same token alone
+or among others. The fused chain (_chain_kernel) is one program per row: after top-k a row's
+candidates fit in registers, and its stages, each a full reduction over them, run back to back
+there without a launch or a memory round trip each. No launch depends on data known only on the
+device (no host sync).
 
-Float keys: key(x) maps float32 to int32 monotonically (x < y <=> key(x) < key(y); -0.0 is
-canonicalised to +0.0 first so the two zeros tie as they do under float comparison).
+Float keys: float_key(x) maps float32 to int32 monotonically (x < y <=> float_key(x) <
+float_key(y); -0.0 is canonicalised to +0.0 first so the two zeros tie as under float comparison).
 """
 
 from __future__ import annotations
@@ -52,17 +52,6 @@ def force_kernels(on: bool = True) -> Iterator[None]:
         _FORCED = previous
 
 
-# Top-p histogram: NBINS bins of 1 nat of x / T below floor(row max), the last one open below.
-NBINS = 16
-TAIL_CAP = 2048  # bracket tokens sorted in registers to place the top-p boundary exactly
-TAIL_PIVOTS = 16
-TAIL_FIRST_STEP = 1.0  # nats between the fallback's first edges (while its bracket is open below)
-# Per-row state of the top-p search, written and read by the kernels at these fixed offsets:
-# int64 [R, STATE]: 0 lo, 1 hi (the bracket (lo, hi] in keys), 2 tokens in it (the gather's
-# atomic counter), 3 whether the row runs top-p, 4 and 5 the last kept (key, id);
-# float32 [R, FSTATE]: 0 row max of x / T, 1 p * total mass, 2 mass strictly above the bracket.
-STATE, FSTATE = 6, 3
-
 # Fused chain (_chain_kernel, sample/fast/chain.py). Per-row parameters: the first columns of
 # SamplingMetadata.columns, in this order. A row's stages: codes in its own order, 0 ends the list.
 CHAIN_PARAMS = (
@@ -84,16 +73,16 @@ PREFIX_STATS = 3
 if triton is not None:
 
     @triton.jit
-    def _key(x):
+    def float_key(x):
         b = (x + 0.0).to(tl.int32, bitcast=True)
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _unkey(k):
+    def key_float(k):
         return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _mix(z):
+    def splitmix(z):
         # splitmix64 on uint64 (wrapping arithmetic), as rng.py.
         z = z + 0x9E3779B97F4A7C15
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
@@ -101,90 +90,54 @@ if triton is not None:
         return z ^ (z >> 31)
 
     @triton.jit
-    def _gumbel(step, cols):
-        h = _mix(step + cols.to(tl.uint64))
+    def gumbel(step, cols):
+        h = splitmix(step + cols.to(tl.uint64))
         u = ((h >> 40).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         return -tl.log(-tl.log(u))
 
     @triton.jit
-    def _tile(x_ptr, stride, n_cols, t_ptr, BLOCK: tl.constexpr, SCALED: tl.constexpr):
+    def _tile(x_ptr, stride, n_cols, BLOCK: tl.constexpr):
         """This program's tile (grid: rows x tiles): (row, tile index over the grid, columns,
-        values x or x / T rounded as torch's division, -inf past the row)."""
+        values, -inf past the row)."""
         row = tl.program_id(0).to(tl.int64)
         blk = tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        if SCALED:
-            v = tl.math.div_rn(v, tl.load(t_ptr + row))
         return row, row * tl.num_programs(1) + blk, cols, v
 
     @triton.jit
-    def _stats_kernel(
-        x_ptr, stride, n_cols, t_ptr, pmax_ptr, parg_ptr, psum_ptr, pmass_ptr,
-        BLOCK: tl.constexpr, SCALED: tl.constexpr, BINS: tl.constexpr,
-    ):  # fmt: skip
-        """One tile of v = x (or x / T, SCALED): max, first argmax, sum of exp(v - tile max); with
-        BINS > 0 also that mass per 1-nat bin below floor(tile max), the last bin open below."""
-        row, out, cols, v = _tile(x_ptr, stride, n_cols, t_ptr, BLOCK, SCALED)
+    def _stats_kernel(x_ptr, stride, n_cols, pmax_ptr, parg_ptr, psum_ptr, BLOCK: tl.constexpr):
+        """One tile: max, first argmax, sum of exp(v - tile max)."""
+        row, out, cols, v = _tile(x_ptr, stride, n_cols, BLOCK)
         bm = tl.max(v, axis=0)
         safe = tl.where(bm == float("-inf"), 0.0, bm)
-        e = tl.exp(v - safe)
         tl.store(pmax_ptr + out, bm)
         tl.store(parg_ptr + out, tl.program_id(1) * BLOCK + tl.argmax(v, axis=0, tie_break_left=True).to(tl.int64))
-        tl.store(psum_ptr + out, tl.sum(e, axis=0))
-        if BINS > 0:
-            # Bins on an absolute grid (floor of the value), so tiles combine by a shift.
-            depth = tl.minimum(tl.floor(safe) - tl.floor(v), BINS - 1.0)
-            bins = tl.arange(0, BINS)
-            mass = tl.sum(tl.where(depth[:, None] == bins[None, :].to(tl.float32), e[:, None], 0.0), axis=0)
-            tl.store(pmass_ptr + out * BINS + bins, mass)
+        tl.store(psum_ptr + out, tl.sum(tl.exp(v - safe), axis=0))
 
     @triton.jit
-    def _combine_stats(row, nb, pmax_ptr, parg_ptr, psum_ptr, NBP: tl.constexpr):
-        """Row max, first argmax, sum of exp(v - max), and the tiles' maxima and rescale factors."""
+    def _stats_combine_kernel(pmax_ptr, parg_ptr, psum_ptr, nb, max_ptr, arg_ptr, lse_ptr, NBP: tl.constexpr):
+        """Per row: max, first argmax (tiles are in id order) and logsumexp of the tiles' partials."""
+        row = tl.program_id(0).to(tl.int64)
         b = tl.arange(0, NBP)
         valid = b < nb
         bm = tl.load(pmax_ptr + row * nb + b, mask=valid, other=float("-inf"))
         m = tl.max(bm, axis=0)
-        first = tl.argmax(bm, axis=0, tie_break_left=True)  # tiles are in id order: the first argmax
-        arg = tl.load(parg_ptr + row * nb + first)
+        first = tl.argmax(bm, axis=0, tie_break_left=True)
         safe = tl.where(m == float("-inf"), 0.0, m)
         scale = tl.where(bm == float("-inf"), 0.0, tl.exp(bm - safe))
         z = tl.sum(tl.load(psum_ptr + row * nb + b, mask=valid, other=0.0) * scale, axis=0)
-        return m, arg, z, bm, scale
-
-    @triton.jit
-    def _stats_combine_kernel(pmax_ptr, parg_ptr, psum_ptr, nb, max_ptr, arg_ptr, lse_ptr, NBP: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        m, arg, z, _, _ = _combine_stats(row, nb, pmax_ptr, parg_ptr, psum_ptr, NBP)
         tl.store(max_ptr + row, m)
-        tl.store(arg_ptr + row, arg)
+        tl.store(arg_ptr + row, tl.load(parg_ptr + row * nb + first))
         tl.store(lse_ptr + row, m + tl.log(z))
 
     @triton.jit
-    def _race_kernel(
-        x_ptr, stride, n_cols, step_ptr, t_ptr, mp_ptr, fstate_ptr, state_ptr, pbest_ptr, pid_ptr,
-        BLOCK: tl.constexpr, TAIL: tl.constexpr, FS: tl.constexpr, ST: tl.constexpr,
-    ):  # fmt: skip
-        """One tile: the best x + Gumbel(seed, position, id) over its survivors (finite; with TAIL,
-        of v = x / T at or above the top-p boundary (key, id) and v >= max + log(min_p))."""
-        row, out, cols, v = _tile(x_ptr, stride, n_cols, t_ptr, BLOCK, TAIL)
-        if TAIL:
-            threshold = tl.load(fstate_ptr + row * FS + 0) + tl.log(tl.load(mp_ptr + row))
-            key_last = tl.load(state_ptr + row * ST + 4)
-            id_last = tl.load(state_ptr + row * ST + 5)
-            kx = _key(v).to(tl.int64)
-            keep = (kx > key_last) | ((kx == key_last) & (cols.to(tl.int64) <= id_last))
-            keep = keep & (v >= threshold) & (v > float("-inf"))
-        else:
-            keep = v > float("-inf")
-        best = tl.full([], float("-inf"), tl.float32)
-        best_id = tl.full([], -1, tl.int64)
-        if tl.max(keep.to(tl.int32), axis=0) > 0:  # tiles without a survivor skip the hashes
-            step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
-            g = tl.where(keep, v + _gumbel(step, cols), float("-inf"))
-            best = tl.max(g, axis=0)
-            best_id = tl.program_id(1) * BLOCK + tl.argmax(g, axis=0, tie_break_left=True).to(tl.int64)
+    def _race_kernel(x_ptr, stride, n_cols, step_ptr, pbest_ptr, pid_ptr, BLOCK: tl.constexpr):
+        """One tile: the best x + Gumbel(seed, position, id) over its finite entries."""
+        row, out, cols, v = _tile(x_ptr, stride, n_cols, BLOCK)
+        step = tl.load(step_ptr + row).to(tl.uint64, bitcast=True)
+        best, best_id = race_block(v, v > float("-inf"), cols, step, tl.full([], float("-inf"), tl.float32),
+                                    tl.full([], -1, tl.int64))  # fmt: skip
         tl.store(pbest_ptr + out, best)
         tl.store(pid_ptr + out, best_id)
 
@@ -200,167 +153,17 @@ if triton is not None:
         tl.store(out_ptr + row, tl.where(tl.max(best, axis=0) > float("-inf"), tok, 0))
 
     @triton.jit
-    def _tail_select_kernel(
-        pmax_ptr, parg_ptr, psum_ptr, pmass_ptr, nb, p_ptr, arg_ptr, fstate_ptr, state_ptr,
-        NBP: tl.constexpr, BINS: tl.constexpr, FS: tl.constexpr, ST: tl.constexpr,
-    ):  # fmt: skip
-        """Combine the tiles' bins into the row's (shifted to the row's top bin) and pick the bin
-        where the mass from the top crosses p * total: the bracket the boundary lies in."""
-        row = tl.program_id(0).to(tl.int64)
-        m, arg, _, bm, scale = _combine_stats(row, nb, pmax_ptr, parg_ptr, psum_ptr, NBP)
-        tl.store(arg_ptr + row, arg)
-        top = tl.floor(tl.where(m == float("-inf"), 0.0, m))
-        b = tl.arange(0, NBP)
-        j = tl.arange(0, BINS)
-        mass = tl.load(pmass_ptr + (row * nb + b[:, None]) * BINS + j[None, :], mask=(b < nb)[:, None], other=0.0)
-        mass = mass * scale[:, None]
-        shift = top - tl.floor(tl.where(bm == float("-inf"), top, bm))
-        depth = tl.minimum(j[None, :].to(tl.float32) + shift[:, None], BINS - 1.0)
-        bins = tl.zeros([BINS], tl.float32)
-        for g in tl.static_range(BINS):
-            bins += tl.where(j == g, tl.sum(tl.sum(tl.where(depth == g, mass, 0.0), axis=1), axis=0), 0.0)
-        p = tl.load(p_ptr + row)
-        target = p * tl.sum(bins, axis=0)
-        before = tl.cumsum(bins, axis=0) - bins
-        g = tl.maximum(tl.sum((before < target).to(tl.int32), axis=0) - 1, 0)
-        # Bin g holds v in [top - g, top - g + 1) (the last one: everything finite below).
-        lo = tl.where(g == BINS - 1, _key(tl.full([], float("-inf"), tl.float32)), _key(top - g.to(tl.float32)) - 1)
-        hi = _key(top - g.to(tl.float32) + 1.0) - 1
-        tl.store(fstate_ptr + row * FS + 0, m)
-        tl.store(fstate_ptr + row * FS + 1, target)
-        tl.store(fstate_ptr + row * FS + 2, tl.sum(tl.where(j == g, before, 0.0), axis=0))
-        tl.store(state_ptr + row * ST + 0, lo.to(tl.int64))
-        tl.store(state_ptr + row * ST + 1, hi.to(tl.int64))
-        tl.store(state_ptr + row * ST + 2, tl.zeros([], tl.int64))
-        tl.store(state_ptr + row * ST + 3, ((p < 1.0) & (m > float("-inf"))).to(tl.int64))
-
-    @triton.jit
-    def _tail_gather_kernel(
-        x_ptr, stride, n_cols, t_ptr, state_ptr, buf_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-        ST: tl.constexpr,
-    ):  # fmt: skip
-        """One tile's bracket tokens into the row's buffer, packed (key desc, id) so the buffer
-        sorts into the top-p order whatever order the tiles' atomic slots came in; the counter
-        ends at the bracket's size (only the first CAP are written)."""
-        row = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        if tl.load(state_ptr + row * ST + 3) != 0:
-            lo = tl.load(state_ptr + row * ST + 0)
-            hi = tl.load(state_ptr + row * ST + 1)
-            cols = blk * BLOCK + tl.arange(0, BLOCK)
-            x = tl.load(x_ptr + row * stride + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            kx = _key(tl.math.div_rn(x, tl.load(t_ptr + row))).to(tl.int64)
-            inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
-            n = tl.sum(inb.to(tl.int64), axis=0)
-            if n > 0:
-                start = tl.atomic_add(state_ptr + row * ST + 2, n)
-                pos = start + tl.cumsum(inb.to(tl.int64), axis=0) - 1
-                packed = ((0x7FFFFFFF - kx) << 31) | cols.to(tl.int64)
-                tl.store(buf_ptr + row * CAP + pos, packed, mask=inb & (pos < CAP))
-
-    @triton.jit
-    def _tail_boundary_kernel(
-        x_ptr, stride, n_cols, t_ptr, fstate_ptr, state_ptr, buf_ptr, last_v_ptr,
-        CAP: tl.constexpr, K: tl.constexpr, SBLOCK: tl.constexpr, FIRST_STEP: tl.constexpr,
-        FS: tl.constexpr, ST: tl.constexpr,
-    ):  # fmt: skip
-        """The last token top-p keeps, (key, id): the gathered bracket sorted by (value desc, id
-        asc), its mass walked from the mass above it. A bracket of more than CAP tokens (rare: a
-        flat stretch of the distribution) is first narrowed here, one program over the row: while
-        (lo, hi] holds more than CAP tokens, K edges inside it, the mass and count above each, keep
-        the sub-bracket where the mass crosses p * total; then gathered in id order. More than CAP
-        tokens on one key: the first n_t of them by id, n_t from the tie's mass."""
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride
-        neg_key = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)
-        key_last = neg_key  # rows without top-p keep every finite token
-        id_last = tl.full([], -1, tl.int64)
-        n_b = tl.load(state_ptr + row * ST + 2)
-        if (tl.load(state_ptr + row * ST + 3) != 0) & (n_b > 0):
-            temp = tl.load(t_ptr + row)
-            m = tl.load(fstate_ptr + row * FS + 0)
-            target = tl.load(fstate_ptr + row * FS + 1)
-            a_hi = tl.load(fstate_ptr + row * FS + 2)
-            lo = tl.load(state_ptr + row * ST + 0)
-            hi = tl.load(state_ptr + row * ST + 1)
-            if n_b > CAP:
-                jj = tl.arange(0, K)
-                while (n_b > CAP) & (hi - lo > 1):
-                    step_k = tl.maximum((hi - lo) // (K + 1), 1)
-                    by_key = hi - (jj + 1).to(tl.int64) * step_k
-                    # While lo is -inf, edges every FIRST_STEP nats below hi's value.
-                    by_value = _key(_unkey(hi.to(tl.int32)) - (jj + 1).to(tl.float32) * FIRST_STEP).to(tl.int64)
-                    edges = tl.where(lo == neg_key, by_value, by_key)
-                    edges = tl.maximum(tl.minimum(edges, hi - (jj + 1).to(tl.int64)), lo)
-                    mass = tl.zeros([K], tl.float32)
-                    cnt = tl.zeros([K], tl.int64)
-                    nb = tl.zeros([], tl.int64)
-                    for start in range(0, n_cols, SBLOCK):  # [SBLOCK, K] temporaries
-                        cols = start + tl.arange(0, SBLOCK)
-                        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-                        xs = tl.math.div_rn(x, temp)
-                        kx = _key(xs).to(tl.int64)
-                        inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
-                        if tl.max(inb.to(tl.int32), axis=0) > 0:
-                            e = tl.exp(xs - m)
-                            above = inb[:, None] & (kx[:, None] > edges[None, :])
-                            mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
-                            cnt += tl.sum(above.to(tl.int64), axis=0)
-                            nb += tl.sum(inb.to(tl.int64), axis=0)
-                    a = a_hi + mass
-                    nlt = tl.sum((a < target).to(tl.int32), axis=0)
-                    sel_hi = jj == nlt - 1
-                    sel_lo = jj == nlt
-                    cnt_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, cnt, 0), axis=0), 0)
-                    cnt_lo = tl.where(nlt < K, tl.sum(tl.where(sel_lo, cnt, 0), axis=0), nb)
-                    new_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, edges, 0), axis=0), hi)
-                    a_hi = tl.where(nlt > 0, tl.sum(tl.where(sel_hi, a, 0.0), axis=0), a_hi)
-                    lo = tl.where(nlt < K, tl.sum(tl.where(sel_lo, edges, 0), axis=0), lo)
-                    hi = new_hi
-                    n_b = cnt_lo - cnt_hi
-                if n_b <= CAP:
-                    off = tl.zeros([], tl.int64)
-                    for start in range(0, n_cols, SBLOCK):
-                        cols = start + tl.arange(0, SBLOCK)
-                        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-                        kx = _key(tl.math.div_rn(x, temp)).to(tl.int64)
-                        inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
-                        pos = off + tl.cumsum(inb.to(tl.int64), axis=0) - 1
-                        packed = ((0x7FFFFFFF - kx) << 31) | cols.to(tl.int64)
-                        tl.store(buf_ptr + row * CAP + pos, packed, mask=inb)
-                        off += tl.sum(inb.to(tl.int64), axis=0)
-            if n_b <= CAP:
-                slots = tl.arange(0, CAP)
-                valid = slots < n_b
-                packed = tl.load(buf_ptr + row * CAP + slots, mask=valid, other=0x7FFFFFFFFFFFFFFF)
-                packed = tl.sort(packed, 0)
-                kb = 0x7FFFFFFF - (packed >> 31)
-                ids = packed & 0x7FFFFFFF
-                e = tl.where(valid, tl.exp(_unkey(kb.to(tl.int32)) - m), 0.0)
-                before = a_hi + tl.cumsum(e, axis=0) - e
-                n_kept = tl.maximum(tl.sum((valid & (before < target)).to(tl.int32), axis=0), 1)
-                last = slots == n_kept - 1
-                key_last = tl.sum(tl.where(last, kb, 0), axis=0)
-                id_last = tl.sum(tl.where(last, ids, 0), axis=0)
-            else:
-                # More than CAP tokens on one key (hi): keep the first n_t of them by id.
-                ev = tl.exp(_unkey(hi.to(tl.int32)) - m)
-                n_t = tl.where(ev > 0, tl.ceil((target - a_hi) / ev), n_b.to(tl.float32))
-                n_t = tl.minimum(tl.maximum(n_t, 1.0), n_b.to(tl.float32)).to(tl.int64)
-                off = tl.zeros([], tl.int64)
-                found = tl.zeros([], tl.int64)
-                for start in range(0, n_cols, SBLOCK):
-                    cols = start + tl.arange(0, SBLOCK)
-                    x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-                    tie = (_key(tl.math.div_rn(x, temp)).to(tl.int64) == hi) & (cols < n_cols)
-                    c = off + tl.cumsum(tie.to(tl.int64), axis=0)
-                    found += tl.sum(tl.where(tie & (c == n_t), cols.to(tl.int64), 0), axis=0)
-                    off += tl.sum(tie.to(tl.int64), axis=0)
-                key_last = hi
-                id_last = found
-        tl.store(state_ptr + row * ST + 4, key_last)
-        tl.store(state_ptr + row * ST + 5, id_last)
-        tl.store(last_v_ptr + row, _unkey(key_last.to(tl.int32)))
+    def race_block(xs, keep, cols, step, best, best_id):
+        """The race over the kept entries of a block merged into (best, best_id): the larger key
+        wins, the lower id on a tie; blocks without a kept entry skip the hashes."""
+        if tl.max(keep.to(tl.int32), axis=0) > 0:
+            g = tl.where(keep, xs + gumbel(step, cols), float("-inf"))
+            bm = tl.max(g, axis=0)
+            bid = tl.min(tl.where(keep & (g == bm), cols.to(tl.int64), 0x7FFFFFFFFFFFFFFF), axis=0)
+            take = (bm > best) | ((bm == best) & (bid < best_id))
+            best_id = tl.where(take, bid, best_id)
+            best = tl.maximum(best, bm)
+        return best, best_id
 
     (_TEMPERATURE, _TOP_K, _TOP_P, _TOP_A, _MIN_P, _TFS, _TYPICAL, _ETA, _EPSILON, _NSIGMA, _QUADRATIC,
      _XTC) = (tl.constexpr(CHAIN_CODE[s]) for s in CHAIN_STAGES)
@@ -430,7 +233,7 @@ if triton is not None:
     def _desc_keys(x, cols):
         """(value desc, column asc) sort keys: columns are in id order, so this is the ops' stable
         descending order; the low 31 bits hold the column."""
-        return ((0x7FFFFFFF - _key(x).to(tl.int64)) << 31) | cols.to(tl.int64)
+        return ((0x7FFFFFFF - float_key(x).to(tl.int64)) << 31) | cols.to(tl.int64)
 
     @triton.jit
     def _at(values, cols, j):
@@ -457,7 +260,7 @@ if triton is not None:
         x = tl.gather(x, (by_id & 0xFFF).to(tl.int32), 0)
         ids = by_id >> 12
         prm = prm_ptr + row * prm_stride
-        counter = _mix(tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)) + (
+        counter = splitmix(tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)) + (
             tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * NUM_DRAWS)
         if tl.load(greedy_ptr + row) == 0:
             pre = tl.full([], 1, tl.int32)  # before the row's top-k
@@ -533,7 +336,7 @@ if triton is not None:
                     typical = tl.load(prm + _P_TYPICAL)
                     if typical < 1.0:
                         _, p, lp = _softmax_parts(x)
-                        dev_keys = (_key(tl.abs(-lp - _entropy(p, lp))).to(tl.int64) << 31) | cols.to(tl.int64)
+                        dev_keys = (float_key(tl.abs(-lp - _entropy(p, lp))).to(tl.int64) << 31) | cols.to(tl.int64)
                         by_dev = tl.sort(dev_keys, 0)
                         sp = tl.gather(p, (by_dev & 0x7FFFFFFF).to(tl.int32), 0)
                         n_kept = tl.maximum(tl.sum(((tl.cumsum(sp, 0) - sp) < typical).to(tl.int32), axis=0), 1)
@@ -555,7 +358,7 @@ if triton is not None:
                     sq = f * (c - 1) / 2
                     x = tl.where(x > neg, m - kq * d * d + sq * d * d * d, x)
                 elif code == _XTC:
-                    coin = (_mix(counter + 1) >> 40).to(tl.float32) * (1.0 / 16777216.0)
+                    coin = (splitmix(counter + 1) >> 40).to(tl.float32) * (1.0 / 16777216.0)
                     if coin < tl.load(prm + _P_XTC_P):
                         _, p, _ = _softmax_parts(x)
                         above = p >= tl.load(prm + _P_XTC_T)
@@ -576,7 +379,7 @@ if triton is not None:
                 skewed = tl.where(cdf > 0, tl.exp(tl.exp(skew.to(tl.float64)) * tl.log(cdf)), 0.0)
                 prev = tl.where(cols > 0, tl.gather(skewed, tl.maximum(cols - 1, 0), 0), 0.0)
                 x = tl.where(sv > neg, tl.log(tl.maximum(skewed - prev, 0.0)).to(tl.float32), neg)
-            x = tl.where(x > neg, x + _gumbel(_mix(counter), ids), neg)
+            x = tl.where(x > neg, x + gumbel(splitmix(counter), ids), neg)
         best = tl.max(x, axis=0)
         tl.store(out_ptr + row, tl.min(tl.where(x == best, ids, 0x7FFFFFFF), axis=0))
 
@@ -586,113 +389,56 @@ def split_block(n_cols: int) -> int:
     return min(4096, max(256, triton.next_power_of_2(triton.cdiv(n_cols, 128))))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def contiguous_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _empty(*shape: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+def empty_on(*shape: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
-def _stats(x: torch.Tensor, temperature: torch.Tensor | None, block: int, bins: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-tile partials of _stats_kernel: max, argmax, sum of exp [R, NB], bin masses [R, NB, bins]."""
-    rows, n = x.shape
-    nb = triton.cdiv(n, block)
-    pmax = _empty(rows, nb, dtype=torch.float32, like=x)
-    parg = _empty(rows, nb, dtype=torch.int64, like=x)
-    psum = _empty(rows, nb, dtype=torch.float32, like=x)
-    pmass = _empty(rows, nb, max(bins, 1), dtype=torch.float32, like=x)
-    t = temperature if temperature is not None else psum
-    _stats_kernel[(rows, nb)](x, x.stride(0), n, t, pmax, parg, psum, pmass, BLOCK=block,
-                              SCALED=temperature is not None, BINS=bins, num_warps=8 if bins else 4)
-    return pmax, parg, psum, pmass
-
-
 def row_stats(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = _rows(x)
+    x = contiguous_rows(x)
     rows, n = x.shape
-    amax = _empty(rows, dtype=torch.float32, like=x)
-    arg = _empty(rows, dtype=torch.int64, like=x)
-    lse = _empty(rows, dtype=torch.float32, like=x)
+    amax = empty_on(rows, dtype=torch.float32, like=x)
+    arg = empty_on(rows, dtype=torch.int64, like=x)
+    lse = empty_on(rows, dtype=torch.float32, like=x)
     if rows:
         block = block or split_block(n)
-        pmax, parg, psum, _ = _stats(x, None, block, 0)
-        nb = pmax.shape[1]
+        nb = triton.cdiv(n, block)
+        pmax = empty_on(rows, nb, dtype=torch.float32, like=x)
+        parg = empty_on(rows, nb, dtype=torch.int64, like=x)
+        psum = empty_on(rows, nb, dtype=torch.float32, like=x)
+        _stats_kernel[(rows, nb)](x, x.stride(0), n, pmax, parg, psum, BLOCK=block, num_warps=4)
         _stats_combine_kernel[(rows,)](pmax, parg, psum, nb, amax, arg, lse, NBP=triton.next_power_of_2(nb),
                                        num_warps=1)
     return amax, arg, lse
 
 
-def _race(x: torch.Tensor, step: torch.Tensor, block: int, tail: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-    rows, n = x.shape
-    nb = triton.cdiv(n, block)
-    pbest = _empty(rows, nb, dtype=torch.float32, like=x)
-    pid = _empty(rows, nb, dtype=torch.int64, like=x)
-    temperature, min_p, fstate, state = tail if tail is not None else (pbest, pbest, pbest, pid)
-    _race_kernel[(rows, nb)](x, x.stride(0), n, step, temperature, min_p, fstate, state, pbest, pid, BLOCK=block,
-                             TAIL=tail is not None, FS=FSTATE, ST=STATE, num_warps=4)
-    out = _empty(rows, dtype=torch.int64, like=x)
-    _race_combine_kernel[(rows,)](pbest, pid, nb, out, NBP=triton.next_power_of_2(nb), num_warps=1)
-    return out
-
-
 def race(x: torch.Tensor, step: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Dense rows: argmax over finite entries of x + Gumbel(seed, position, id)."""
-    x = _rows(x)
-    if not x.shape[0]:
-        return _empty(0, dtype=torch.int64, like=x)
-    return _race(x, step, block or split_block(x.shape[1]), None)
-
-
-def tail(
-    x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, step: torch.Tensor,
-    cap: int | None = None, pivots: int | None = None, block: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x / T -> top-p (exact, sort-free over the vocabulary) -> min-p -> race, per row:
-    (race winner, argmax of x / T, top-p's last kept value and id). Rows exempt from top-p report
-    (-inf, -1): every finite token is kept.
-
-    Launches: (1) tiles: max / argmax / sum of exp and 1-nat bins of the mass; (2) per row: the
-    bin where the mass from the top crosses p * total; (3) tiles: that bin's tokens into a buffer;
-    (4) per row: the buffer sorted, the exact last kept token; (5) tiles: the race over the
-    survivors of top-p and min-p; (6) per row: the best tile."""
-    cap = cap or TAIL_CAP
-    x = _rows(x)
+    x = contiguous_rows(x)
     rows, n = x.shape
-    arg = _empty(rows, dtype=torch.int64, like=x)
-    last_v = _empty(rows, dtype=torch.float32, like=x)
-    if not rows:
-        return arg, arg, last_v, arg
-    block = block or split_block(n)
-    temperature = temperature.float().contiguous()
-    pmax, parg, psum, pmass = _stats(x, temperature, block, NBINS)
-    nb = pmax.shape[1]
-    fstate = _empty(rows, FSTATE, dtype=torch.float32, like=x)
-    state = _empty(rows, STATE, dtype=torch.int64, like=x)
-    _tail_select_kernel[(rows,)](pmax, parg, psum, pmass, nb, top_p.float().contiguous(), arg, fstate, state,
-                                 NBP=triton.next_power_of_2(nb), BINS=NBINS, FS=FSTATE, ST=STATE, num_warps=4)
-    buf = _empty(rows, cap, dtype=torch.int64, like=x)
-    _tail_gather_kernel[(rows, nb)](x, x.stride(0), n, temperature, state, buf, CAP=cap, BLOCK=block, ST=STATE,
-                                    num_warps=4)
-    _tail_boundary_kernel[(rows,)](
-        x, x.stride(0), n, temperature, fstate, state, buf, last_v, CAP=cap, K=pivots or TAIL_PIVOTS,
-        SBLOCK=min(512, triton.next_power_of_2(max(n, 16))), FIRST_STEP=TAIL_FIRST_STEP, FS=FSTATE, ST=STATE,
-        num_warps=8,
-    )  # fmt: skip
-    tok = _race(x, step, block, (temperature, min_p.float().contiguous(), fstate, state))
-    return tok, arg, last_v, state[:, 5]
+    out = empty_on(rows, dtype=torch.int64, like=x)
+    if rows:
+        block = block or split_block(n)
+        nb = triton.cdiv(n, block)
+        pbest = empty_on(rows, nb, dtype=torch.float32, like=x)
+        pid = empty_on(rows, nb, dtype=torch.int64, like=x)
+        _race_kernel[(rows, nb)](x, x.stride(0), n, step, pbest, pid, BLOCK=block, num_warps=4)
+        _race_combine_kernel[(rows,)](pbest, pid, nb, out, NBP=triton.next_power_of_2(nb), num_warps=1)
+    return out
 
 
 def prefix_stats(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """float32 [R, PREFIX_STATS] of the rows of x: finite count, entropy, std (module constants)."""
-    x = _rows(x)
+    x = contiguous_rows(x)
     rows, n = x.shape
-    stats = _empty(rows, PREFIX_STATS, dtype=torch.float32, like=x)
+    stats = empty_on(rows, PREFIX_STATS, dtype=torch.float32, like=x)
     if rows:
         block = block or split_block(n)
         nb = triton.cdiv(n, block)
-        part = _empty(rows, nb, 6, dtype=torch.float32, like=x)
+        part = empty_on(rows, nb, 6, dtype=torch.float32, like=x)
         _prefix_moments_kernel[(rows, nb)](x, x.stride(0), n, part, BLOCK=block, num_warps=4)
         _prefix_combine_kernel[(rows,)](part, nb, stats, NBP=triton.next_power_of_2(nb), NS=PREFIX_STATS,
                                         num_warps=1)
@@ -707,7 +453,7 @@ def chain(
     row's stage codes [R, S] with its parameters (params [R, >= len(CHAIN_PARAMS)]), skew and the
     race keyed by (seed, position) with `num_draws` uniforms per position (rng.py)."""
     rows, width = values.shape
-    out = _empty(rows, dtype=torch.int64, like=values)
+    out = empty_on(rows, dtype=torch.int64, like=values)
     if rows:
         block = triton.next_power_of_2(width)
         _chain_kernel[(rows,)](
