@@ -39,7 +39,7 @@ def specs() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
         ("dense tail", tk._dense_tail_kernel,
          {"raw_ptr": P32, "work_ptr": P32, "stride_raw": I32, "stride_work": I32, "n_cols": I32, "col_ptr": P32,
           "col_stride": I32, "seed_ptr": P64, "pos_ptr": P64, "greedy_ptr": "*i1", "buf_ptr": P64, "tok_ptr": P64,
-          "int_ptr": P64, "flt_ptr": P32, "n_rows": I32},
+          "id_ptr": P64, "flt_ptr": P32, "n_rows": I32},
          {"T_COL": 0, "P_COL": 5, "MP_COL": 7, "SAME": True, "NUM_DRAWS": 2, "BLOCK": 512, "BINS": tk.NBINS,
           "CAP": tk.TAIL_CAP, "K": tk.TAIL_PIVOTS, "SBLOCK": 512, "FIRST_STEP": tk.TAIL_FIRST_STEP}, 8),
         ("race combine", k._race_combine_kernel,

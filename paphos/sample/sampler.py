@@ -8,9 +8,10 @@ Pipeline, per row and independent of batch companions (contract §4.1):
      ops/ that is the identity for neutral values and runs only when some row of the group uses it;
      from a top-k with a host-known bound on, the chain runs on compacted [R, C] candidates
      (fast/compact.py); a batch-wide (temperature, top-p, min-p) group is one kernel on CUDA,
-     row stats and the draw included (fast/dense_tail.py); many orders over few stages run by slot (metadata.py); on CUDA a
-     batch with a `fused` plan runs its history stages in one kernel (fast/history.py), then one
-     kernel from top-k to the draw, every row in its own order (fast/chain.py)
+     row stats and the draw included (fast/dense_tail.py); many orders over few stages run by
+     slot (metadata.py); on CUDA a batch with a `fused` plan runs its history stages in one
+     kernel (fast/history.py), then one kernel from top-k to the draw, every row in its own
+     order (fast/chain.py)
   -> skew -> select: greedy rows take the argmax; the others the exponential race with their own
      counter-based per-token uniforms (fast/race.py); mirostat rows then update their mu.
 There is no host<->device synchronisation in here: the caller reads the sampled ids back once.

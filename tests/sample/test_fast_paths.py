@@ -122,7 +122,6 @@ def test_dense_tail_kernel_survivors_tokens_and_logprobs_match_the_ops(kernels, 
         want = race_mod.race(ref, race_mod.step_keys(seeds, positions, 2))
     want[greedy] = x[greedy].argmax(-1)
     assert torch.equal(got.token, want)
-    assert torch.equal(got.argmax, xs.argmax(-1))
     torch.testing.assert_close(got.lse, x.logsumexp(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.logprob, x.gather(1, want[:, None])[:, 0] - x.logsumexp(-1), rtol=1e-5,
                                atol=1e-5)

@@ -250,14 +250,9 @@ if triton is not None:
         return scale_decode(sc, sd, mn, smin, SCALE, MINK, SCMIN_NIB)
 
     @triton.jit
-    def _scaled(
-        dot, xsum, r, g, m2, sc_ptr, sd_ptr, mn_ptr, smin_ptr, stride_g, stride_s,
-        SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr,
-    ):  # fmt: skip
-        """Per row and tile group: the scale group g's scale times the dot product, plus its min
-        times the sum of x -> [BN, T]."""
-        s, m = group_scale_min(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s, SG, SCALE, MINK,
-                               SCMIN_NIB)  # fmt: skip
+    def _scaled(dot, xsum, s, m, MINK: tl.constexpr):
+        """Per row and tile group: the group's scale times the dot product, plus its min times
+        the sum of x -> [BN, T]."""
         if MINK > 0:
             return s * dot + m * xsum[None, :]
         return s * dot
@@ -291,10 +286,9 @@ if triton is not None:
                 lo_ptr, hi_ptr, x_ptr, r[:, :, None], t, m2[:, :, None], stride_lo, stride_hi, hi_tile_stride,
                 LO, HI, OFF, TW, MINK,
             )  # fmt: skip
-            acc += _scaled(
-                dot, xsum, r, t * TV // SG, m2, sc_ptr, sd_ptr, mn_ptr, smin_ptr, stride_g, stride_s,
-                SG, SCALE, MINK, SCMIN_NIB,
-            )  # fmt: skip
+            s, m = group_scale_min(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, t * TV // SG, m2, stride_g, stride_s, SG,
+                                   SCALE, MINK, SCMIN_NIB)  # fmt: skip
+            acc += _scaled(dot, xsum, s, m, MINK)
         y = tl.sum(acc, axis=1)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -334,9 +328,7 @@ if triton is not None:
         if OFF > 0:
             dot -= OFF * xsum[None, :]
         s, m = scale_decode(sc, sd, mn, smin, SCALE, MINK, False)
-        term = s * dot
-        if MINK > 0:
-            term += m * xsum[None, :]
+        term = _scaled(dot, xsum, s, m, MINK)
         tl.store(out_ptr + rows, tl.sum(term, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
 
     @triton.jit
