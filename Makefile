@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	# A KoboldCpp API client for the Kobold tests; its declared extras (image libraries) are not
 	# needed by its core client, whose imports (requests, aiohttp) the test extra carries.
 	$(PY) -m pip install --quiet --no-deps koboldapi==0.5.4
+	# The H200 image's triton, beside ours: tests compile the kernels for sm_90 with both.
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/triton-3.6 triton==3.6.0
 	touch $(STAMP)
 
 install: $(STAMP)

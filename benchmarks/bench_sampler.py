@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a c
 from bench_gpu import kernel_profile, print_profile  # noqa: E402
 
 from paphos.sample import order as st  # noqa: E402
-from paphos.sample.fast import dense_tail  # noqa: E402
+from paphos.sample.fast import dense_tail, tail_kernels  # noqa: E402
 from paphos.sample.metadata import SamplingMetadata  # noqa: E402
 from paphos.sample.ops.min_p import apply_min_p  # noqa: E402
 from paphos.sample.ops.top_k_top_p import apply_top_k_top_p  # noqa: E402
@@ -146,8 +146,25 @@ def tail_set_mismatches(logits: torch.Tensor, md: SamplingMetadata) -> int:
     return int((kept != torch.isfinite(ref)).any(dim=-1).sum())
 
 
+def tail_sweep(logits: torch.Tensor, md: SamplingMetadata, configs: list[tuple[int, int]], device: torch.device,
+               warmup: int, repeats: int, iters: int) -> dict[str, dict]:
+    """The dense tail kernel alone at each (lanes per block, warps): ms per call, and whether its
+    tokens are the default launch's."""
+    want = dense_tail.sample(logits, logits, md, NUM_DRAWS).token
+    out = {}
+    for block, warps in configs:
+        def call(block: int = block, warps: int = warps) -> tail_kernels.TailResult:
+            return tail_kernels.dense_tail(logits, logits, md.columns, dense_tail._COLUMNS, md.seeds, md.positions,
+                                           md.greedy_rows, NUM_DRAWS, block=block, num_warps=warps)  # fmt: skip
+
+        out[f"{block}x{warps}"] = {"ms": timed(call, device, warmup, repeats, iters),
+                                   "same_tokens": bool(torch.equal(call().token, want))}  # fmt: skip
+    return out
+
+
 def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.device, warmup: int,
-             repeats: int, iters: int, check_steps: int, profile: bool = False) -> dict:
+             repeats: int, iters: int, check_steps: int, profile: bool = False,
+             tail_configs: list[tuple[int, int]] | None = None) -> dict:
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
     params = case_params(case, batch)
@@ -170,6 +187,8 @@ def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.devi
         argmax_ms = timed(lambda: logits.argmax(dim=-1), device, warmup, repeats, iters)
         if profile:
             row["profile"] = kernel_profile(lambda: sampler(logits, metadata), iters)
+        if tail_configs and dense_tail.applicable(metadata, logits):
+            row["tail_configs"] = tail_sweep(logits, metadata, tail_configs, device, warmup, repeats, iters)
     build_ms = host_timed(build, repeats)
     row.update({"sampler_ms": sampler_ms, "build_ms": build_ms, "argmax_ms": argmax_ms,
                 "over_argmax_ms": sampler_ms - argmax_ms, "groups": len(metadata.groups),
@@ -194,6 +213,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: per cell, the kernels, GPU busy time and host ops of a call (torch.profiler)")
     parser.add_argument("--no-check", action="store_true", help="skip the fast-vs-reference check")
+    parser.add_argument("--tail-configs", nargs="+", default=[], metavar="LANESxWARPS",
+                        help="CUDA, case (b): also time the dense tail kernel alone at each launch shape, e.g. 512x8")
     args = parser.parse_args()
     if args.quick:
         args.vocab, args.batch, args.cases = [128256], [1, 64, 256], list(CASES)
@@ -208,13 +229,16 @@ def main() -> None:
         for batch in args.batch:
             for case in args.cases:
                 row = run_cell(case, batch, vocab, args.history, device, args.warmup, args.repeats,
-                               args.iters, 0 if args.no_check else args.check_steps, args.profile)
+                               args.iters, 0 if args.no_check else args.check_steps, args.profile,
+                               [tuple(int(v) for v in c.split("x")) for c in args.tail_configs])
                 rows.append(row)
                 print(f"{case:>4} {batch:>6} {vocab:>7} {row['sampler_ms']:>11.3f} {row['over_argmax_ms']:>12.3f} "
                       f"{row['build_ms']:>9.3f} {row['groups']:>6} {row.get('reference_ms', float('nan')):>9.3f} "
                       f"{row.get('token_mismatches', '-'):>8} {row.get('tail_set_mismatch_rows', '-'):>8}", flush=True)
                 if "profile" in row:
                     print_profile(f"  case {case} batch {batch}", row["profile"])
+                for name, cfg in row.get("tail_configs", {}).items():
+                    print(f"  dense tail {name:>7}: {cfg['ms']:.4f} ms  same tokens {cfg['same_tokens']}")
     if args.out:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                 "torch": torch.__version__, "threads": torch.get_num_threads(), "history": args.history,

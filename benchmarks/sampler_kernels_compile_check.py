@@ -1,6 +1,7 @@
 """Compile every sampler Triton kernel (paphos/sample/fast/kernels.py, tail_kernels.py,
 history_kernels.py) for an H100/H200 (sm_90) on any machine, no GPU needed: catches kernels that run under the interpreter but do not lower
-for the GPU. Prints registers-free facts that matter: shared memory and local-memory (spill) use.
+for the GPU. Prints what ptxas built for each (registers per thread, spill stack bytes, spill loads
+and stores inside loops: cuobjdump of the cubin) and the shared memory.
 
     python benchmarks/sampler_kernels_compile_check.py [--arch 90]
 """
@@ -8,7 +9,10 @@ for the GPU. Prints registers-free facts that matter: shared memory and local-me
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,15 +40,17 @@ def specs() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
         ("stats combine", k._stats_combine_kernel,
          {"pmax_ptr": P32, "parg_ptr": P64, "psum_ptr": P32, "nb": I32, "max_ptr": P32, "arg_ptr": P64,
           "lse_ptr": P32}, {"NBP": nbp}, 1),
-        ("dense tail", tk._dense_tail_kernel,
-         {"raw_ptr": P32, "work_ptr": P32, "stride_raw": I32, "stride_work": I32, "n_cols": I32, "col_ptr": P32,
-          "col_stride": I32, "seed_ptr": P64, "pos_ptr": P64, "greedy_ptr": "*i1", "buf_ptr": P64, "tok_ptr": P64,
-          "id_ptr": P64, "flt_ptr": P32, "n_rows": I32},
-         {"T_COL": 0, "P_COL": 5, "MP_COL": 7, "SAME": True, "NUM_DRAWS": 2, "BLOCK": 512, "BINS": tk.NBINS,
-          "CAP": tk.TAIL_CAP, "K": tk.TAIL_PIVOTS, "SBLOCK": 512, "FIRST_STEP": tk.TAIL_FIRST_STEP}, 8),
         ("race combine", k._race_combine_kernel,
          {"pbest_ptr": P32, "pid_ptr": P64, "nb": I32, "out_ptr": P64}, {"NBP": nbp}, 1),
     ]
+    for block_tail, warps_tail in (tk.TAIL_LAUNCH_FEW, tk.TAIL_LAUNCH_MANY):
+        out.append((f"dense tail ({block_tail}x{warps_tail})", tk._dense_tail_kernel,
+                    {"raw_ptr": P32, "work_ptr": P32, "stride_raw": I32, "stride_work": I32, "n_cols": I32,
+                     "col_ptr": P32, "col_stride": I32, "seed_ptr": P64, "pos_ptr": P64, "greedy_ptr": "*i1",
+                     "buf_ptr": P64, "tok_ptr": P64, "id_ptr": P64, "flt_ptr": P32, "n_rows": I32},
+                    {"T_COL": 0, "P_COL": 5, "MP_COL": 7, "SAME": True, "NUM_DRAWS": 2, "BLOCK": block_tail,
+                     "BINS": tk.NBINS, "CAP": tk.TAIL_CAP, "K": tk.TAIL_PIVOTS, "SBLOCK": tk.TAIL_SBLOCK,
+                     "FIRST_STEP": tk.TAIL_FIRST_STEP}, warps_tail))
     out.append(("race", k._race_kernel, {**x, "step_ptr": P64, "pbest_ptr": P32, "pid_ptr": P64},
                 {"BLOCK": block}, 4))
     out += [
@@ -71,6 +77,27 @@ def specs() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
     return out
 
 
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    """(registers per thread, stack bytes, spill loads and stores inside loops) as ptxas built the
+    kernel: a non-zero stack is a spill; one in straight-line code costs a few accesses per
+    program, one inside a loop costs them per iteration."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {usage!r}")
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    # A loop is the span from a backward branch's target to the branch.
+    loops = [(int(t, 16), a) for a, text in code for t in re.findall(r"BRA\s+(?:`\(.*?\)\s*)?(0x[0-9a-f]+)", text)
+             if int(t, 16) <= a]  # fmt: skip
+    in_loops = sum(1 for a, text in code if re.search(r"\b(LDL|STL)\b", text) and any(lo <= a <= hi for lo, hi in loops))
+    return int(found.group(1)), int(found.group(2)), in_loops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90)
@@ -87,10 +114,9 @@ def main() -> None:
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             continue
-        ptx = compiled.asm["ptx"]
-        local = "yes" if ".local" in ptx else "no"
-        print(f"ok   {name:<28} shared {compiled.metadata.shared:>6} B  local memory {local:<3} "
-              f"{time.perf_counter() - start:5.1f} s")
+        registers, stack, loop_spills = _resource_usage(compiled.asm["cubin"])
+        print(f"ok   {name:<28} registers {registers:>3}  spill stack {stack:>4} B  spill accesses in loops "
+              f"{loop_spills:>3}  shared {compiled.metadata.shared:>6} B  {time.perf_counter() - start:5.1f} s")
     if failed:
         sys.exit(f"{failed} kernel(s) failed to compile for sm_{args.arch}")
 

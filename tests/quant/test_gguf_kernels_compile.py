@@ -1,22 +1,27 @@
 """The GGUF Triton kernels compile for sm_90 (H100/H200) on this machine, no GPU needed: the
 interpreter runs of test_gguf_triton.py accept code that may not lower for the GPU (a constexpr
 reassigned in an unrolled loop, inline PTX, layouts). The batch-1 GEMVs must not spill. The
-compiles run in a child process without TRITON_INTERPRET (this one has the interpreter set up)."""
+compiles run in a child process without TRITON_INTERPRET (this one has the interpreter set up), once
+with the installed triton and once with the H200 image's (tests/device_triton.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.device_triton import TRITON_IDS, TRITONS, compile_env
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gguf_kernels_compile_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+@pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
+def test_gguf_kernels_compile_for_sm90(triton_path: Path | None) -> None:
     done = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "tests.quant.test_gguf_kernels_compile"], env=compile_env(triton_path), cwd=ROOT,
+        capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     compiled = done.stdout.split()

@@ -70,6 +70,43 @@ def logits_cases(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return x
 
 
+_interpreted_kernels = None
+
+
+def test_temperature_division_is_ieee_division(interpreted) -> None:
+    """`divide` (a product and one fma correction) gives torch's x / T bit for bit wherever
+    2^-100 <= |x| and |x / T| < 2^127: random float32 bit patterns across the whole range,
+    logit-sized values, zeros and infinities (benchmarks/sampler_division_check.py covers every
+    float32 x on the GPU)."""
+    import triton
+    import triton.language as tl
+
+    global _interpreted_kernels  # jit functions resolve names through their module's globals
+    _interpreted_kernels = interpreted
+
+    @triton.jit
+    def divide_kernel(x_ptr, out_ptr, d, n, BLOCK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + cols, mask=cols < n)
+        tl.store(out_ptr + cols, _interpreted_kernels.divide(x, d, tl.math.div_rn(1.0, d)), mask=cols < n)
+
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31, (3000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, 1.0, -1.0, 3.4e38, -3.4e38, 1e-45])
+    x = torch.cat([bits.view(torch.float32), torch.randn(3000, generator=gen) * 20, special])
+    for d in (0.8, 0.7, 1.0, 1.3, 0.33, 2.0, 0.013, 7.25):
+        out = torch.empty_like(x)
+        divide_kernel[(1,)](x, out, d, x.numel(), BLOCK=8192)
+        want = x / torch.tensor(d, dtype=torch.float32)
+        same = (out.view(torch.int32) == want.view(torch.int32)) | (out.isnan() & want.isnan())
+        # Out of range (|x| < 2^-100: the fma's residual underflows; |x / T| >= 2^127: the product
+        # may overflow) the last place may differ.
+        in_range = (x.abs() >= 2.0**-100) & (want.abs() < 2.0**127)
+        assert bool(same[in_range].all()), (d, x[~same & in_range][:5].tolist())
+        tiny = x.abs() < 2.0**-100
+        torch.testing.assert_close(out[tiny], want[tiny], rtol=2.0**-22, atol=1e-44)
+
+
 @pytest.mark.parametrize("block", [None, 64])
 def test_row_stats_kernel(kernels, block: int | None) -> None:
     x = logits_cases(6, 700, 0)
@@ -100,12 +137,15 @@ def test_dense_tail_kernel_survivors_tokens_and_logprobs_match_the_ops(kernels, 
                                                                        block: int) -> None:
     from paphos.sample.fast import race as race_mod
 
-    rows, vocab = 10, 600
+    rows, vocab = 12, 600
     x = logits_cases(rows, vocab, seed)
-    temp = torch.tensor([0.8, 1.0, 1.0, 2.0, 0.5, 1.3, 0.7, 1.0, 1.0, 0.9])
-    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.3, 0.99, 0.6, 1.0, 1.0, 0.8])
-    # row 7 neutral; row 8 greedy; row 9: min-p far above the top-p bracket
-    min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0, 0.02, 0.0, 0.0, 0.0, 0.9])
+    temp = torch.tensor([0.8, 1.0, 1.0, 2.0, 0.5, 1.3, 0.7, 1.0, 1.0, 0.9, 0.8, 1.3])
+    top_p = torch.tensor([0.9, 0.5, 0.7, 0.95, 0.3, 0.99, 0.6, 1.0, 1.0, 0.8, 1.0, 1.0])
+    # row 7 neutral; row 8 greedy; row 9: min-p far above the top-p bracket; rows 10 and 11 without
+    # top-p (min-p alone, temperature alone: drawn in the second pass). Rows 1, 3, 5 and 9 (min-p
+    # on) take both branches over the seeds: top-p cutting above the min-p threshold (mass above it
+    # >= p, e.g. row 1) and min-p deciding alone (row 5; row 3 at seed 0).
+    min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0, 0.02, 0.0, 0.0, 0.0, 0.9, 0.1, 0.0])
     greedy = torch.zeros(rows, dtype=torch.bool)
     greedy[8] = True
     columns = torch.stack([temp, top_p, min_p, torch.zeros(rows)], dim=1)

@@ -4,15 +4,17 @@ step (tail_kernels.dense_tail), which also gives the raw logsumexp and the sampl
 A batch whose only group of rows (all of them) runs a subsequence of (temperature, top_p, min_p)
 in that order (the default order's relative order), without dynatemp or skew, needs from each row
 only: x / T, the top-p boundary, the min-p threshold and the race. One program per row reads its
-row three times and never writes a masked copy (tail_kernels.py): (1) the maxima; (2) the raw
-logsumexp and, of x / T, the normaliser and the mass per 1-nat bin below the max: the bin where
-the mass from the top crosses p * total brackets the boundary; (3) the race over the tokens above
-the bracket that pass min-p, and the bracket's tokens into a small buffer when min-p leaves any
-of them, sorted there by (value desc, id asc) to find the last kept token exactly (a bracket of
-more than TAIL_CAP tokens is narrowed first). The host issues one launch and four allocations
-(H200, vocabulary 128k: 0.16 / 0.20 / 0.41 ms over a plain argmax at batch 1 / 64 / 256,
-benchmarks/README.md). Same semantics as the ops:
-- temperature: x / T rounded as torch's division (div_rn);
+row two or three times and never writes a masked copy (tail_kernels.py): (1) the maxima; (2) the
+raw logsumexp, the normaliser of x / T and, over min-p's survivors, the mass per 1-nat bin below
+the max and the race, which is the draw when their mass stays below p * Z (top-p then keeps them
+all); (3) otherwise the bin where the mass from the top crosses p * Z brackets the boundary: the
+race over the tokens above the bracket that pass min-p, and the bracket's tokens into a small
+buffer when min-p leaves any of them, sorted there by (value desc, id asc) to find the last kept
+token exactly (a bracket of more than TAIL_CAP tokens is narrowed first). The host issues one
+launch and four allocations (H200, vocabulary 128k: 0.05 / 0.15 / 0.25 ms over a plain argmax at
+batch 1 / 64 / 256, benchmarks/README.md). Same semantics as the ops:
+- temperature: x / T rounded as torch's division (`kernels.divide`: bit for bit wherever
+  2^-100 <= |x| and |x / T| < 2^127, checked on every float32 x for 99 temperatures);
 - top-p: keep the shortest (value desc, id asc) prefix whose mass before each token is < p * Z,
   at least one token, rows at p >= 1 exempt; float sums in another order than the sort path's
   cumsum may move a token whose mass-before equals p within rounding;

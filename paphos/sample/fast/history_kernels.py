@@ -130,34 +130,36 @@ if triton is not None:
                 valid = pos >= first
                 tok = tl.load(hist + pos, mask=valid, other=-1).to(tl.int32)
                 ban = tl.where(ngram_on, valid, False)
-                m = 0
+                # Each look-back loop has its own counter: triton 3.6 fails to lower the kernel
+                # (RemoveLayoutConversions) when the two loops share one.
+                k_ngram = 0
                 go = ngram_on & (need > 0)
                 while go:
-                    # m < need <= n_known: the target, the m-th newest token, is known.
-                    target = tl.load(hist + length - 1 - m).to(tl.int32)
-                    back = pos - 1 - m
+                    # k_ngram < need <= n_known: the target, the k_ngram-th newest token, is known.
+                    target = tl.load(hist + length - 1 - k_ngram).to(tl.int32)
+                    back = pos - 1 - k_ngram
                     ban = ban & (tl.load(hist + back, mask=ban & (back >= first), other=-1).to(tl.int32) == target)
-                    m += 1
-                    go = (m < need) & (tl.max(ban.to(tl.int32), axis=0) > 0)
+                    k_ngram += 1
+                    go = (k_ngram < need) & (tl.max(ban.to(tl.int32), axis=0) > 0)
                 match = tl.zeros([BLOCK], tl.int32)
                 if dry_on:
                     # Candidates: known, no breaker (and in range, as the position before a match is).
                     alive = valid & ~_is_breaker(tok, brk, n_brk)
                     eligible = alive
-                    m = 0
+                    k_dry = 0
                     go = tl.max(alive.to(tl.int32), axis=0) > 0
                     while go:
-                        # The m-th newest token, unless a breaker, must precede (it is known: a
-                        # position still matching has m known ones before it; and newer than them,
-                        # so in range when they are).
-                        target = tl.load(hist + length - 1 - m).to(tl.int32)
+                        # The k_dry-th newest token, unless a breaker, must precede (it is known: a
+                        # position still matching has k_dry known ones before it; and newer than
+                        # them, so in range when they are).
+                        target = tl.load(hist + length - 1 - k_dry).to(tl.int32)
                         target_ok = ~_is_breaker(target, brk, n_brk)
-                        back = pos - 1 - m
+                        back = pos - 1 - k_dry
                         prev = tl.load(hist + back, mask=alive & (back >= first), other=-1).to(tl.int32)
                         alive = tl.where(target_ok, alive & (prev == target) & (length - 1 - back <= max_age), False)
                         match += alive.to(tl.int32)
-                        m += 1
-                        go = (m < max_ngram) & (tl.max(alive.to(tl.int32), axis=0) > 0)
+                        k_dry += 1
+                        go = (k_dry < max_ngram) & (tl.max(alive.to(tl.int32), axis=0) > 0)
                     candidate = eligible & (match >= 1)
                     # rank 1 = the newest candidate of the row (before max_occurrences drops any)
                     cand = candidate.to(tl.int32)
@@ -253,9 +255,9 @@ def block_for(length: int) -> int:
 
 
 def warps_for(block: int) -> int:
-    """Warps per program: 4 positions per thread from 512 on (118 registers at MAX_BLOCK, no spills;
-    8 per thread, or 4096 positions in 32 warps, spill on sm_90)."""
-    return max(4, block // 128)
+    """Warps per program: 4 positions per thread from 512 to 1024, 8 at MAX_BLOCK (no spills on
+    sm_90 with triton 3.6 or 3.9; 16 warps cap registers at 128 and spill under 3.6)."""
+    return min(8, max(4, block // 128))
 
 
 def apply_history(

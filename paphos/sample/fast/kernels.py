@@ -82,6 +82,20 @@ if triton is not None:
         return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def divide(x, d, rd):
+        """x / d rounded as IEEE division (torch's `x / d`), given rd = 1 / d so rounded: the
+        quotient through rd, then one residual correction (Markstein's; r = x - d q is exact in an
+        fma). Three instructions instead of div.rn's reciprocal, Newton steps and range check.
+        Bit for bit wherever 2^-100 <= |x| and |x / d| < 2^127 (below, the residual underflows;
+        above, the product may round to infinity): benchmarks/sampler_division_check.py compares
+        the two on every float32 x for 99 temperatures. Non-finite quotients (x = +-inf, overflow)
+        keep the plain product."""
+        q = x * rd
+        r = tl.fma(-d, q, x)
+        qr = tl.fma(r, rd, q)
+        return tl.where(qr == qr, qr, q)
+
+    @triton.jit
     def splitmix(z):
         # splitmix64 on uint64 (wrapping arithmetic), as rng.py.
         z = z + 0x9E3779B97F4A7C15

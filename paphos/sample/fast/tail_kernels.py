@@ -3,12 +3,15 @@ and the race for whole rows in one launch, one program per row, with the raw log
 sampled token's logprob.
 
 Data flow: the sampler's logits [R, V] (and their pre-chained float32 copy when a pre-chain
-applies) -> `dense_tail` -> sampled ids, logprobs, logsumexp. The row is read three times
-(`_dense_tail_kernel`); every pass keeps per-lane partials and loads the next chunk before working
-on the current one, so a lone row (batch 1) is not bound by one load's latency per block: on the
-H200 a 128k-vocabulary step is 0.18 ms of GPU time at batch 1 and 0.45 ms at batch 256
-(benchmarks/README.md), where the three IEEE divisions per logit and the 16-bin histogram, not
-the reads, bound it. Float keys, the hash and the race step are kernels.py's.
+applies) -> `dense_tail` -> sampled ids, logprobs, logsumexp. The row is read twice, three times
+when top-p cuts above the min-p threshold (`_dense_tail_kernel`); every pass keeps per-lane
+partials and has the next chunk in flight while it works on one. What made it fast on the H200
+(128k vocabulary, GPU time at batch 1 / 64 / 256, benchmarks/README.md): x / T by a product and an
+fma correction (`kernels.divide`) instead of IEEE division, the max of x / T as max(x) / T, the
+normaliser through the reciprocal alone, the histogram and the race only in chunks holding a
+min-p survivor, and the race in the second pass, so that a row where min-p decides is read twice
+(0.18 / 0.25 / 0.49 ms -> 0.07 / 0.18 / 0.31). Float keys, the hash and the race step are
+kernels.py's.
 """
 
 from __future__ import annotations
@@ -30,18 +33,23 @@ NBINS = 16
 TAIL_CAP = 2048  # bracket tokens sorted in registers to place the top-p boundary exactly
 TAIL_PIVOTS = 16
 TAIL_FIRST_STEP = 1.0  # nats between the fallback's first edges (while its bracket is open below)
+# (lanes per chunk quarter, warps) per row: one large program per row while rows fit the H200's
+# 132 processors, two smaller ones per processor beyond (256 rows of 128k: 0.31 ms against 0.39;
+# 64 rows: 0.18 against 0.20; benchmarks/bench_sampler.py --tail-configs).
+TAIL_LAUNCH_FEW, TAIL_LAUNCH_MANY, TAIL_MANY_ROWS = (512, 16), (256, 8), 132
+TAIL_SBLOCK = 64  # columns per step of the rare paths (narrowing, ties): [SBLOCK, K] temporaries
 
 
 if triton is not None:
 
     @triton.jit
-    def _scaled_row(row_ptr, cols, n_cols, temp):
-        """x / T of a block, rounded as torch's division; -inf past the row."""
+    def _scaled_row(row_ptr, cols, n_cols, temp, rtemp):
+        """x / T of a block, rounded as torch's division (rtemp = 1 / T); -inf past the row."""
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        return tl.math.div_rn(x, temp)
+        return kernels.divide(x, temp, rtemp)
 
     @triton.jit
-    def _narrow_bracket(row_ptr, n_cols, temp, m, target, a_hi, lo, hi, n_b, CAP: tl.constexpr,
+    def _narrow_bracket(row_ptr, n_cols, temp, rtemp, m, target, a_hi, lo, hi, n_b, CAP: tl.constexpr,
                         K: tl.constexpr, SBLOCK: tl.constexpr, FIRST_STEP: tl.constexpr):  # fmt: skip
         """While the bracket (lo, hi] of keys holds more than CAP tokens (a flat stretch of the
         distribution): K edges inside it, the mass and count above each, keep the sub-bracket
@@ -60,7 +68,7 @@ if triton is not None:
             nb = tl.zeros([], tl.int64)
             for start in range(0, n_cols, SBLOCK):  # [SBLOCK, K] temporaries
                 cols = start + tl.arange(0, SBLOCK)
-                xs = _scaled_row(row_ptr, cols, n_cols, temp)
+                xs = _scaled_row(row_ptr, cols, n_cols, temp, rtemp)
                 kx = kernels.float_key(xs).to(tl.int64)
                 inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
                 if tl.max(inb.to(tl.int32), axis=0) > 0:
@@ -104,15 +112,14 @@ if triton is not None:
 
     @triton.jit
     def _load_chunk(row_ptr, start, n_cols, BLOCK: tl.constexpr):
-        """Columns start + 4 i + (0, 1, 2, 3) for lanes i < BLOCK as four [BLOCK] float32 tensors,
-        -inf past the row (one 16-byte load per lane)."""
-        i = 4 * tl.arange(0, BLOCK)[:, None, None] + 2 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
-        cols = start + i
-        v = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        even, odd = tl.split(v)  # [BLOCK, 2]: columns 4 i + (0, 2) and 4 i + (1, 3)
-        c0, c2 = tl.split(even)
-        c1, c3 = tl.split(odd)
-        return c0, c1, c2, c3
+        """Columns start + i * BLOCK + lane (i = 0..3) as four [BLOCK] float32 tensors, -inf past
+        the row: four coalesced loads, no layout change between them."""
+        cols = start + tl.arange(0, BLOCK)
+        x0 = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        x1 = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < n_cols, other=float("-inf")).to(tl.float32)
+        x2 = tl.load(row_ptr + cols + 2 * BLOCK, mask=cols + 2 * BLOCK < n_cols, other=float("-inf")).to(tl.float32)
+        x3 = tl.load(row_ptr + cols + 3 * BLOCK, mask=cols + 3 * BLOCK < n_cols, other=float("-inf")).to(tl.float32)
+        return x0, x1, x2, x3
 
     @triton.jit
     def _load_chunks(work, raw, start, n_cols, BLOCK: tl.constexpr, SAME: tl.constexpr):
@@ -124,36 +131,72 @@ if triton is not None:
         return x0, x1, x2, x3, r0, r1, r2, r3
 
     @triton.jit
-    def _max_step(x, r, cols, temp, lane_m, lane_arg, lane_rm):
-        """Per lane: the max of v = x / T with its first column, and the raw max."""
-        xs = tl.math.div_rn(x, temp)
-        lane_arg = tl.where(xs > lane_m, cols, lane_arg)
-        return tl.maximum(lane_m, xs), lane_arg, tl.maximum(lane_rm, r)
+    def _max_step(x, r, cols, lane_m, lane_arg, lane_rm, SAME: tl.constexpr):
+        """Per lane: the max of x with its first column, and the raw max (x's when SAME)."""
+        lane_arg = tl.where(x > lane_m, cols, lane_arg)
+        if not SAME:
+            lane_rm = tl.maximum(lane_rm, r)
+        return tl.maximum(lane_m, x), lane_arg, lane_rm
 
     @triton.jit
-    def _mass_step(x, r, temp, safe, rsafe, top, jf, lane_z, lane_rz, lane_bins, BINS: tl.constexpr):
-        """Per lane: the sums of exp(v - max) and exp(raw - raw max), and v's mass per bin."""
-        xs = tl.math.div_rn(x, temp)
-        e = tl.exp(xs - safe)
+    def _mass_step(x, r, rtemp, safe, rsafe, lane_z, lane_rz):
+        """Per lane: the sums of exp(x / T - max) and exp(raw - raw max) -> (x * (1 / T), sums).
+        x / T through the reciprocal alone (within an ulp or two of the IEEE quotient): the sum
+        Z moves by rounding only, as under another summation order, and every decision on a
+        token (bins, thresholds, the race) uses the exact quotient (`_exact_chunk`)."""
+        xa = x * rtemp
+        return xa, lane_z + tl.exp(xa - safe), lane_rz + tl.exp(r - rsafe)
+
+    @triton.jit
+    def _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe):
+        """A chunk's v = x / T rounded as torch's division, and exp(v - max)."""
+        xs0 = kernels.divide(x0, temp, rtemp)
+        xs1 = kernels.divide(x1, temp, rtemp)
+        xs2 = kernels.divide(x2, temp, rtemp)
+        xs3 = kernels.divide(x3, temp, rtemp)
+        return xs0, xs1, xs2, xs3, tl.exp(xs0 - safe), tl.exp(xs1 - safe), tl.exp(xs2 - safe), tl.exp(xs3 - safe)
+
+    @triton.jit
+    def _bin_step(xs, e, floor_v, top, jf, lane_bins, BINS: tl.constexpr):
+        """Per lane: the mass of the v >= floor_v per 1-nat bin below top ([BINS, BLOCK]: the
+        lanes' layout, no cross-thread traffic)."""
         depth = tl.minimum(top - tl.floor(xs), BINS - 1.0)
-        lane_bins += tl.where(jf[:, None] == depth[None, :], e[None, :], 0.0)  # [BINS, BLOCK]: lanes' layout
-        return lane_z + e, lane_rz + tl.exp(r - rsafe), lane_bins
+        return lane_bins + tl.where((jf[:, None] == depth[None, :]) & (xs >= floor_v)[None, :], e[None, :], 0.0)
 
     @triton.jit
-    def _race_gather_step(x, cols, n_cols, temp, cut, threshold, step, best, best_id, gather, lo, hi, buf, n_b,
-                          CAP: tl.constexpr):  # fmt: skip
-        """The race over a block's survivors above the bracket (key > cut, v >= threshold) and,
-        when `gather`, its bracket tokens (lo, hi] appended to buf."""
-        xs = tl.math.div_rn(x, temp)
+    def _bin_chunk(xs0, xs1, xs2, xs3, e0, e1, e2, e3, floor_v, top, jf, lane_bins, BINS: tl.constexpr):
+        """`_bin_step` over a chunk's four blocks."""
+        lane_bins = _bin_step(xs0, e0, floor_v, top, jf, lane_bins, BINS)
+        lane_bins = _bin_step(xs1, e1, floor_v, top, jf, lane_bins, BINS)
+        lane_bins = _bin_step(xs2, e2, floor_v, top, jf, lane_bins, BINS)
+        return _bin_step(xs3, e3, floor_v, top, jf, lane_bins, BINS)
+
+    @triton.jit
+    def _race_chunk(xs0, xs1, xs2, xs3, c0, floor_v, step, best, best_id, BLOCK: tl.constexpr):
+        """The race over a chunk's finite v >= floor_v, merged into (best, best_id)."""
+        neg = float("-inf")
+        best, best_id = kernels.race_block(xs0, (xs0 >= floor_v) & (xs0 > neg), c0, step, best, best_id)
+        best, best_id = kernels.race_block(xs1, (xs1 >= floor_v) & (xs1 > neg), c0 + BLOCK, step, best, best_id)
+        best, best_id = kernels.race_block(xs2, (xs2 >= floor_v) & (xs2 > neg), c0 + 2 * BLOCK, step, best, best_id)
+        return kernels.race_block(xs3, (xs3 >= floor_v) & (xs3 > neg), c0 + 3 * BLOCK, step, best, best_id)
+
+    @triton.jit
+    def _race_keys(x, cols, n_cols, temp, rtemp, cut, threshold, gather, lo, hi):
+        """A block's v = x / T, its keys, the survivors above the bracket (key > cut, v >=
+        threshold) and, when `gather`, its bracket tokens (lo, hi]."""
+        xs = kernels.divide(x, temp, rtemp)
         kx = kernels.float_key(xs).to(tl.int64)
-        best, best_id = kernels.race_block(xs, (kx > cut) & (xs >= threshold), cols, step, best, best_id)
-        if gather:
-            inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
-            cnt = tl.sum(inb.to(tl.int64), axis=0)
-            if cnt > 0:
-                pos = n_b + tl.cumsum(inb.to(tl.int64), axis=0) - 1
-                tl.store(buf + pos, _pack_bracket(kx, cols), mask=inb & (pos < CAP))
-                n_b += cnt
+        return xs, kx, (kx > cut) & (xs >= threshold), tl.where(gather, (kx > lo) & (kx <= hi) & (cols < n_cols), False)
+
+    @triton.jit
+    def _race_gather_step(xs, kx, keep, inb, cols, step, best, best_id, buf, n_b, CAP: tl.constexpr):
+        """The race over a block's kept tokens; its bracket tokens appended to buf."""
+        best, best_id = kernels.race_block(xs, keep, cols, step, best, best_id)
+        cnt = tl.sum(inb.to(tl.int64), axis=0)
+        if cnt > 0:
+            pos = n_b + tl.cumsum(inb.to(tl.int64), axis=0) - 1
+            tl.store(buf + pos, _pack_bracket(kx, cols), mask=inb & (pos < CAP))
+            n_b += cnt
         return best, best_id, n_b
 
     @triton.jit
@@ -164,28 +207,32 @@ if triton is not None:
         NUM_DRAWS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr,
         SBLOCK: tl.constexpr, FIRST_STEP: tl.constexpr,
     ):  # fmt: skip
-        """One program per row, three reads of it: (1) the raw max and, of v = x / T, the max and
-        first argmax; (2) the raw logsumexp, the normaliser of v and its mass per 1-nat bin below
-        floor(max): the bin where the mass from the top crosses p * total brackets the top-p
-        boundary; (3) the race over the tokens above the bracket that pass min-p, and the
-        bracket's tokens into buf when min-p leaves some of them; then the bracket sorted, the
-        exact last kept token and the race over the kept bracket tokens. A bracket of more than
-        CAP tokens is narrowed first and the race rerun over the row with the exact boundary."""
+        """One program per row, two or three reads of it: (1) the max of x with its first column
+        and the raw max, max(v) = max(x) / T for v = x / T; (2) the raw logsumexp, the normaliser
+        of v and, of the min-p survivors v >= threshold (all v with min-p off), the mass per
+        1-nat bin below floor(max) and the race: top-p and min-p each keep a prefix by value, so
+        when the survivors' mass stays below p * total, top-p keeps all of them and this race is
+        the draw; (3) otherwise the bin where the mass crosses p * total brackets the top-p
+        boundary: the race over the tokens above the bracket that pass min-p, and the bracket's
+        tokens into buf when min-p leaves some of them; then the bracket sorted, the exact last
+        kept token and the race over the kept bracket tokens. A bracket of more than CAP tokens
+        is narrowed first and the race rerun over the row with the exact boundary."""
         row = tl.program_id(0).to(tl.int64)
         work = work_ptr + row * stride_work
         raw = raw_ptr + row * stride_raw
         buf = buf_ptr + row * CAP
         prm = col_ptr + row * col_stride
         temp = tl.load(prm + T_COL)
+        rtemp = tl.math.div_rn(1.0, temp)
         top_p = tl.load(prm + P_COL)
         min_p = tl.load(prm + MP_COL)
         neg = float("-inf")
         offs = tl.arange(0, BLOCK)
         jf = tl.arange(0, BINS).to(tl.float32)
         # Every pass keeps per-lane partials (no cross-thread reduction per chunk) and loads the
-        # next chunk of 4 * BLOCK before working on this one: a lone row is latency-bound
-        # otherwise. Lane i of a chunk at `start` holds columns start + 4 i + (0, 1, 2, 3).
-        lanes = 4 * tl.arange(0, BLOCK)
+        # next chunk of 4 * BLOCK before working on this one: the passes are bound by the loads in
+        # flight per processor. Lane j of a chunk at `start` holds columns start + i * BLOCK + j,
+        # i = 0..3.
         # (1) maxima and the first argmax of v
         lane_rm = tl.full([BLOCK], neg, tl.float32)
         lane_m = tl.full([BLOCK], neg, tl.float32)
@@ -193,33 +240,65 @@ if triton is not None:
         x0, x1, x2, x3, r0, r1, r2, r3 = _load_chunks(work, raw, 0, n_cols, BLOCK, SAME)
         for start in range(0, n_cols, 4 * BLOCK):
             n0, n1, n2, n3, s0, s1, s2, s3 = _load_chunks(work, raw, start + 4 * BLOCK, n_cols, BLOCK, SAME)
-            lane_m, lane_arg, lane_rm = _max_step(x0, r0, start + lanes, temp, lane_m, lane_arg, lane_rm)
-            lane_m, lane_arg, lane_rm = _max_step(x1, r1, start + lanes + 1, temp, lane_m, lane_arg, lane_rm)
-            lane_m, lane_arg, lane_rm = _max_step(x2, r2, start + lanes + 2, temp, lane_m, lane_arg, lane_rm)
-            lane_m, lane_arg, lane_rm = _max_step(x3, r3, start + lanes + 3, temp, lane_m, lane_arg, lane_rm)
+            c0 = start + offs
+            lane_m, lane_arg, lane_rm = _max_step(x0, r0, c0, lane_m, lane_arg, lane_rm, SAME)
+            lane_m, lane_arg, lane_rm = _max_step(x1, r1, c0 + BLOCK, lane_m, lane_arg, lane_rm, SAME)
+            lane_m, lane_arg, lane_rm = _max_step(x2, r2, c0 + 2 * BLOCK, lane_m, lane_arg, lane_rm, SAME)
+            lane_m, lane_arg, lane_rm = _max_step(x3, r3, c0 + 3 * BLOCK, lane_m, lane_arg, lane_rm, SAME)
             x0, x1, x2, x3, r0, r1, r2, r3 = n0, n1, n2, n3, s0, s1, s2, s3
-        m = tl.max(lane_m, axis=0)
-        arg = tl.min(tl.where(lane_m == m, lane_arg, 0x7FFFFFFF), axis=0).to(tl.int64)
-        arg = tl.where(m == neg, 0, arg)
-        rm = tl.max(lane_rm, axis=0)
+        mx = tl.max(lane_m, axis=0)
+        arg = tl.min(tl.where(lane_m == mx, lane_arg, 0x7FFFFFFF), axis=0).to(tl.int64)
+        arg = tl.where(mx == neg, 0, arg)
+        # Division by T > 0 rounded to nearest is monotone: the max of x / T is max(x) / T.
+        m = kernels.divide(mx, temp, rtemp)
+        rm = mx if SAME else tl.max(lane_rm, axis=0)
         safe = tl.where(m == neg, 0.0, m)
         rsafe = tl.where(rm == neg, 0.0, rm)
         top = tl.floor(safe)
-        # (2) normalisers and the mass per 1-nat bin of v below floor(max), the last bin open below
+        sampled = tl.load(greedy_ptr + row) == 0
+        p_on = sampled & (top_p < 1.0) & (m > neg)
+        threshold = m + tl.log(min_p)
+        # Top-p and min-p both keep a prefix of the tokens by value, so the survivors are the
+        # shorter prefix: only tokens at or above the min-p threshold are binned. A chunk without
+        # one skips the bins (with min-p on, nearly all of them).
+        floor_v = tl.where(p_on, threshold, float("inf"))
+        # The race over min-p's survivors (v >= threshold, all finite v when min-p is off) runs
+        # in this pass too wherever they may be the answer: top-p off, or min-p on (top-p may then
+        # cut below the threshold); such rows skip pass 3 when top-p does not cut above it.
+        race_floor = tl.where(sampled & (~p_on | (threshold > neg)), threshold, float("inf"))
+        # below it by more than x * (1 / T) can be below x / T (a few ulps): chunks to look at
+        race_lo = race_floor - (tl.abs(race_floor) * 0.000001 + 1e-30)
+        seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
+        step = kernels.splitmix(kernels.splitmix(seed) + tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * NUM_DRAWS)
+        best = tl.full([], neg, tl.float32)
+        best_id = tl.zeros([], tl.int64)  # no survivor at all: id 0, as the race
+        # (2) normalisers and, of v >= floor_v, the mass per 1-nat bin below floor(max), the last
+        # bin open below
         lane_z = tl.zeros([BLOCK], tl.float32)
         lane_rz = tl.zeros([BLOCK], tl.float32)
         lane_bins = tl.zeros([BINS, BLOCK], tl.float32)
         x0, x1, x2, x3, r0, r1, r2, r3 = _load_chunks(work, raw, 0, n_cols, BLOCK, SAME)
         for start in range(0, n_cols, 4 * BLOCK):
             n0, n1, n2, n3, s0, s1, s2, s3 = _load_chunks(work, raw, start + 4 * BLOCK, n_cols, BLOCK, SAME)
-            lane_z, lane_rz, lane_bins = _mass_step(x0, r0, temp, safe, rsafe, top, jf, lane_z, lane_rz, lane_bins,
-                                                    BINS)  # fmt: skip
-            lane_z, lane_rz, lane_bins = _mass_step(x1, r1, temp, safe, rsafe, top, jf, lane_z, lane_rz, lane_bins,
-                                                    BINS)  # fmt: skip
-            lane_z, lane_rz, lane_bins = _mass_step(x2, r2, temp, safe, rsafe, top, jf, lane_z, lane_rz, lane_bins,
-                                                    BINS)  # fmt: skip
-            lane_z, lane_rz, lane_bins = _mass_step(x3, r3, temp, safe, rsafe, top, jf, lane_z, lane_rz, lane_bins,
-                                                    BINS)  # fmt: skip
+            xa0, lane_z, lane_rz = _mass_step(x0, r0, rtemp, safe, rsafe, lane_z, lane_rz)
+            xa1, lane_z, lane_rz = _mass_step(x1, r1, rtemp, safe, rsafe, lane_z, lane_rz)
+            xa2, lane_z, lane_rz = _mass_step(x2, r2, rtemp, safe, rsafe, lane_z, lane_rz)
+            xa3, lane_z, lane_rz = _mass_step(x3, r3, rtemp, safe, rsafe, lane_z, lane_rz)
+            if floor_v == neg:  # top-p with min-p off: every chunk binned, no race here
+                xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
+                lane_bins = _bin_chunk(xs0, xs1, xs2, xs3, e0, e1, e2, e3, floor_v, top, jf, lane_bins, BINS)
+            elif race_floor == neg:  # neither top-p nor min-p: the race over every chunk
+                xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
+                best, best_id = _race_chunk(xs0, xs1, xs2, xs3, start + offs, race_floor, step, best, best_id, BLOCK)
+            elif race_floor < float("inf"):  # min-p on: the chunks holding a token at or above it
+                hit = (xa0 >= race_lo) | (xa1 >= race_lo) | (xa2 >= race_lo) | (xa3 >= race_lo)
+                if tl.max(hit.to(tl.int32), axis=0) > 0:
+                    xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
+                    if p_on:
+                        lane_bins = _bin_chunk(xs0, xs1, xs2, xs3, e0, e1, e2, e3, floor_v, top, jf, lane_bins,
+                                               BINS)  # fmt: skip
+                    best, best_id = _race_chunk(xs0, xs1, xs2, xs3, start + offs, race_floor, step, best, best_id,
+                                                BLOCK)  # fmt: skip
             x0, x1, x2, x3, r0, r1, r2, r3 = n0, n1, n2, n3, s0, s1, s2, s3
         z = tl.sum(lane_z, axis=0)
         rz = tl.sum(lane_rz, axis=0)
@@ -229,83 +308,91 @@ if triton is not None:
         tok = arg  # greedy rows (temperature 1, no truncation) take the first argmax
         key_last = neg_key  # (key_last, id_last) of top-p's last kept token; (-inf, -1): all kept
         id_last = tl.full([], -1, tl.int64)
-        if tl.load(greedy_ptr + row) == 0:
+        if sampled:
             target = top_p * z
-            before = tl.cumsum(bins, axis=0) - bins
-            g = tl.maximum(tl.sum((before < target).to(tl.int32), axis=0) - 1, 0).to(tl.float32)
-            # the bracket (lo, hi] in keys: bin g holds v in [top - g, top - g + 1), the last bin
-            # everything finite below; a_hi the mass above it
-            a_hi = tl.sum(tl.where(jf == g, before, 0.0), axis=0)
-            lo = tl.where(g == BINS - 1, neg_key, kernels.float_key(top - g).to(tl.int64) - 1)
-            hi = kernels.float_key(top - g + 1.0).to(tl.int64) - 1
-            threshold = m + tl.log(min_p)
-            p_on = (top_p < 1.0) & (m > neg)
-            gather = p_on & (threshold < top - g + 1.0)  # min-p may keep some bracket tokens
-            cut = tl.where(p_on, hi, neg_key)  # above it: kept by top-p
+            # min-p decides alone when the mass at or above its threshold stays below p * Z: the
+            # race of pass 2 stands
+            p_on = p_on & ((threshold == neg) | (tl.sum(bins, axis=0) >= target))
             if p_on:
+                before = tl.cumsum(bins, axis=0) - bins
+                g = tl.maximum(tl.sum((before < target).to(tl.int32), axis=0) - 1, 0).to(tl.float32)
+                # the bracket (lo, hi] in keys: bin g holds v in [top - g, top - g + 1), the last
+                # bin everything finite below, neither anything under the threshold; a_hi the mass
+                # above it (bins above the one crossing p * Z lie wholly above the threshold)
+                a_hi = tl.sum(tl.where(jf == g, before, 0.0), axis=0)
+                lo = tl.where(g == BINS - 1, neg_key, kernels.float_key(top - g).to(tl.int64) - 1)
+                lo = tl.maximum(lo, kernels.float_key(threshold).to(tl.int64) - 1)
+                hi = kernels.float_key(top - g + 1.0).to(tl.int64) - 1
+                gather = threshold < top - g + 1.0  # min-p may keep some bracket tokens
                 key_last, id_last = hi, n_cols.to(tl.int64)  # min-p alone decides in the bracket
-            seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
-            step = kernels.splitmix(kernels.splitmix(seed) + tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * NUM_DRAWS)
-            best = tl.full([], neg, tl.float32)
-            best_id = tl.zeros([], tl.int64)  # no survivor at all: id 0, as the race
-            n_b = tl.zeros([], tl.int64)
-            # (3) the race over the survivors above the bracket; the bracket's tokens gathered
-            x0, x1, x2, x3 = _load_chunk(work, 0, n_cols, BLOCK)
-            for start in range(0, n_cols, 4 * BLOCK):
-                n0, n1, n2, n3 = _load_chunk(work, start + 4 * BLOCK, n_cols, BLOCK)
-                best, best_id, n_b = _race_gather_step(x0, start + lanes, n_cols, temp, cut, threshold, step, best,
-                                                       best_id, gather, lo, hi, buf, n_b, CAP)  # fmt: skip
-                best, best_id, n_b = _race_gather_step(x1, start + lanes + 1, n_cols, temp, cut, threshold, step,
-                                                       best, best_id, gather, lo, hi, buf, n_b, CAP)  # fmt: skip
-                best, best_id, n_b = _race_gather_step(x2, start + lanes + 2, n_cols, temp, cut, threshold, step,
-                                                       best, best_id, gather, lo, hi, buf, n_b, CAP)  # fmt: skip
-                best, best_id, n_b = _race_gather_step(x3, start + lanes + 3, n_cols, temp, cut, threshold, step,
-                                                       best, best_id, gather, lo, hi, buf, n_b, CAP)  # fmt: skip
-                x0, x1, x2, x3 = n0, n1, n2, n3
-            exact = gather & (n_b > CAP)
-            if gather:
-                if n_b <= CAP:
-                    kb, ids, n_kept, key_last, id_last = _sorted_bracket(buf, n_b, m, a_hi, target, CAP)
-                    vals = kernels.key_float(kb.to(tl.int32))
-                    keep = (tl.arange(0, CAP) < n_kept) & (vals >= threshold)
-                    best, best_id = kernels.race_block(vals, keep, ids, step, best, best_id)
-                else:
-                    lo, hi, a_hi, n_b = _narrow_bracket(work, n_cols, temp, m, target, a_hi, lo, hi, n_b, CAP, K,
-                                                        SBLOCK, FIRST_STEP)  # fmt: skip
-                    if n_b <= CAP:
-                        off = tl.zeros([], tl.int64)
-                        for start in range(0, n_cols, SBLOCK):
-                            cols = start + tl.arange(0, SBLOCK)
-                            kx = kernels.float_key(_scaled_row(work, cols, n_cols, temp)).to(tl.int64)
-                            inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
-                            pos = off + tl.cumsum(inb.to(tl.int64), axis=0) - 1
-                            tl.store(buf + pos, _pack_bracket(kx, cols), mask=inb)
-                            off += tl.sum(inb.to(tl.int64), axis=0)
-                        _, _, _, key_last, id_last = _sorted_bracket(buf, n_b, m, a_hi, target, CAP)
-                    else:
-                        # More than CAP tokens on one key (hi): keep the first n_t of them by id.
-                        ev = tl.exp(kernels.key_float(hi.to(tl.int32)) - m)
-                        n_t = tl.where(ev > 0, tl.ceil((target - a_hi) / ev), n_b.to(tl.float32))
-                        n_t = tl.minimum(tl.maximum(n_t, 1.0), n_b.to(tl.float32)).to(tl.int64)
-                        off = tl.zeros([], tl.int64)
-                        found = tl.zeros([], tl.int64)
-                        for start in range(0, n_cols, SBLOCK):
-                            cols = start + tl.arange(0, SBLOCK)
-                            tie = (kernels.float_key(_scaled_row(work, cols, n_cols, temp)).to(tl.int64) == hi) & (cols < n_cols)
-                            c = off + tl.cumsum(tie.to(tl.int64), axis=0)
-                            found += tl.sum(tl.where(tie & (c == n_t), cols.to(tl.int64), 0), axis=0)
-                            off += tl.sum(tie.to(tl.int64), axis=0)
-                        key_last, id_last = hi, found
-            if exact:
                 best = tl.full([], neg, tl.float32)
                 best_id = tl.zeros([], tl.int64)
-                for start in range(0, n_cols, BLOCK):
-                    cols = start + offs
-                    xs = _scaled_row(work, cols, n_cols, temp)
-                    kx = kernels.float_key(xs).to(tl.int64)
-                    kept = (kx > key_last) | ((kx == key_last) & (cols.to(tl.int64) <= id_last))
-                    best, best_id = kernels.race_block(xs, kept & (xs >= threshold) & (xs > neg), cols, step, best,
-                                                best_id)  # fmt: skip
+                n_b = tl.zeros([], tl.int64)
+                # (3) the race over the survivors above the bracket (key > hi); the bracket's tokens
+                # gathered. One any-test per chunk skips chunks with neither (nearly all of them).
+                x0, x1, x2, x3 = _load_chunk(work, 0, n_cols, BLOCK)
+                for start in range(0, n_cols, 4 * BLOCK):
+                    n0, n1, n2, n3 = _load_chunk(work, start + 4 * BLOCK, n_cols, BLOCK)
+                    c0, c1, c2, c3 = start + offs, start + offs + BLOCK, start + offs + 2 * BLOCK, start + offs + 3 * BLOCK
+                    xs0, k0, keep0, in0 = _race_keys(x0, c0, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
+                    xs1, k1, keep1, in1 = _race_keys(x1, c1, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
+                    xs2, k2, keep2, in2 = _race_keys(x2, c2, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
+                    xs3, k3, keep3, in3 = _race_keys(x3, c3, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
+                    hit = keep0 | keep1 | keep2 | keep3 | in0 | in1 | in2 | in3
+                    if tl.max(hit.to(tl.int32), axis=0) > 0:
+                        best, best_id, n_b = _race_gather_step(xs0, k0, keep0, in0, c0, step, best, best_id, buf,
+                                                               n_b, CAP)  # fmt: skip
+                        best, best_id, n_b = _race_gather_step(xs1, k1, keep1, in1, c1, step, best, best_id, buf,
+                                                               n_b, CAP)  # fmt: skip
+                        best, best_id, n_b = _race_gather_step(xs2, k2, keep2, in2, c2, step, best, best_id, buf,
+                                                               n_b, CAP)  # fmt: skip
+                        best, best_id, n_b = _race_gather_step(xs3, k3, keep3, in3, c3, step, best, best_id, buf,
+                                                               n_b, CAP)  # fmt: skip
+                    x0, x1, x2, x3 = n0, n1, n2, n3
+                exact = gather & (n_b > CAP)
+                if gather:
+                    if n_b <= CAP:
+                        kb, ids, n_kept, key_last, id_last = _sorted_bracket(buf, n_b, m, a_hi, target, CAP)
+                        vals = kernels.key_float(kb.to(tl.int32))
+                        keep = (tl.arange(0, CAP) < n_kept) & (vals >= threshold)
+                        best, best_id = kernels.race_block(vals, keep, ids, step, best, best_id)
+                    else:
+                        lo, hi, a_hi, n_b = _narrow_bracket(work, n_cols, temp, rtemp, m, target, a_hi, lo, hi, n_b, CAP, K,
+                                                            SBLOCK, FIRST_STEP)  # fmt: skip
+                        if n_b <= CAP:
+                            off = tl.zeros([], tl.int64)
+                            for start in range(0, n_cols, SBLOCK):
+                                cols = start + tl.arange(0, SBLOCK)
+                                kx = kernels.float_key(_scaled_row(work, cols, n_cols, temp, rtemp)).to(tl.int64)
+                                inb = (kx > lo) & (kx <= hi) & (cols < n_cols)
+                                pos = off + tl.cumsum(inb.to(tl.int64), axis=0) - 1
+                                tl.store(buf + pos, _pack_bracket(kx, cols), mask=inb)
+                                off += tl.sum(inb.to(tl.int64), axis=0)
+                            _, _, _, key_last, id_last = _sorted_bracket(buf, n_b, m, a_hi, target, CAP)
+                        else:
+                            # More than CAP tokens on one key (hi): keep the first n_t of them by id.
+                            ev = tl.exp(kernels.key_float(hi.to(tl.int32)) - m)
+                            n_t = tl.where(ev > 0, tl.ceil((target - a_hi) / ev), n_b.to(tl.float32))
+                            n_t = tl.minimum(tl.maximum(n_t, 1.0), n_b.to(tl.float32)).to(tl.int64)
+                            off = tl.zeros([], tl.int64)
+                            found = tl.zeros([], tl.int64)
+                            for start in range(0, n_cols, SBLOCK):
+                                cols = start + tl.arange(0, SBLOCK)
+                                tie = (kernels.float_key(_scaled_row(work, cols, n_cols, temp, rtemp)).to(tl.int64) == hi) & (cols < n_cols)
+                                c = off + tl.cumsum(tie.to(tl.int64), axis=0)
+                                found += tl.sum(tl.where(tie & (c == n_t), cols.to(tl.int64), 0), axis=0)
+                                off += tl.sum(tie.to(tl.int64), axis=0)
+                            key_last, id_last = hi, found
+                if exact:
+                    best = tl.full([], neg, tl.float32)
+                    best_id = tl.zeros([], tl.int64)
+                    for start in range(0, n_cols, BLOCK):
+                        cols = start + offs
+                        xs = _scaled_row(work, cols, n_cols, temp, rtemp)
+                        kx = kernels.float_key(xs).to(tl.int64)
+                        kept = (kx > key_last) | ((kx == key_last) & (cols.to(tl.int64) <= id_last))
+                        best, best_id = kernels.race_block(xs, kept & (xs >= threshold) & (xs > neg), cols, step, best,
+                                                    best_id)  # fmt: skip
             tok = best_id
         tl.store(tok_ptr + row, tok)
         tl.store(id_ptr + row, id_last)
@@ -325,7 +412,7 @@ class TailResult(NamedTuple):
 def dense_tail(
     raw: torch.Tensor, work: torch.Tensor, columns: torch.Tensor, column_index: tuple[int, int, int],
     seeds: torch.Tensor, positions: torch.Tensor, greedy: torch.Tensor, num_draws: int,
-    cap: int | None = None, pivots: int | None = None, block: int | None = None,
+    cap: int | None = None, pivots: int | None = None, block: int | None = None, num_warps: int | None = None,
 ) -> TailResult:
     """Per row of work (the raw logits, or their pre-chained float32 copy): x / T -> top-p (exact,
     sort-free over the vocabulary) -> min-p -> race keyed by (seed, position), greedy rows their
@@ -342,10 +429,12 @@ def dense_tail(
     if rows:
         t_col, p_col, mp_col = column_index
         buf = kernels.empty_on(rows, cap, dtype=torch.int64, like=work)
+        default_block, default_warps = TAIL_LAUNCH_MANY if rows > TAIL_MANY_ROWS else TAIL_LAUNCH_FEW
         _dense_tail_kernel[(rows,)](
             raw, work, raw.stride(0), work.stride(0), n, columns, columns.stride(0), seeds, positions, greedy, buf,
             tokens, last_ids, floats, rows, T_COL=t_col, P_COL=p_col, MP_COL=mp_col, SAME=raw is work,
-            NUM_DRAWS=num_draws, BLOCK=block or 512, BINS=NBINS, CAP=cap, K=pivots or TAIL_PIVOTS,
-            SBLOCK=min(512, triton.next_power_of_2(max(n, 16))), FIRST_STEP=TAIL_FIRST_STEP, num_warps=8,
+            NUM_DRAWS=num_draws, BLOCK=block or default_block, BINS=NBINS, CAP=cap, K=pivots or TAIL_PIVOTS,
+            SBLOCK=min(TAIL_SBLOCK, triton.next_power_of_2(max(n, 16))), FIRST_STEP=TAIL_FIRST_STEP,
+            num_warps=num_warps or default_warps,
         )  # fmt: skip
     return TailResult(tokens, floats[0], floats[1], floats[2], last_ids)
