@@ -233,7 +233,7 @@ if triton is not None:
         # next chunk of 4 * BLOCK before working on this one: the passes are bound by the loads in
         # flight per processor. Lane j of a chunk at `start` holds columns start + i * BLOCK + j,
         # i = 0..3.
-        # (1) maxima and the first argmax of v
+        # (1) maxima and the first argmax of x (greedy rows have T = 1: x's argmax is v's)
         lane_rm = tl.full([BLOCK], neg, tl.float32)
         lane_m = tl.full([BLOCK], neg, tl.float32)
         lane_arg = tl.zeros([BLOCK], tl.int32)
@@ -266,7 +266,8 @@ if triton is not None:
         # in this pass too wherever they may be the answer: top-p off, or min-p on (top-p may then
         # cut below the threshold); such rows skip pass 3 when top-p does not cut above it.
         race_floor = tl.where(sampled & (~p_on | (threshold > neg)), threshold, float("inf"))
-        # below it by more than x * (1 / T) can be below x / T (a few ulps): chunks to look at
+        # The chunk test runs on x * (1 / T), which may fall a few ulps below x / T: on a floor
+        # lowered by more than that.
         race_lo = race_floor - (tl.abs(race_floor) * 0.000001 + 1e-30)
         seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
         step = kernels.splitmix(kernels.splitmix(seed) + tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * NUM_DRAWS)
