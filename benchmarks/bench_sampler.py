@@ -154,8 +154,7 @@ def tail_sweep(logits: torch.Tensor, md: SamplingMetadata, configs: list[tuple[i
     out = {}
     for block, warps in configs:
         def call(block: int = block, warps: int = warps) -> tail_kernels.TailResult:
-            return tail_kernels.dense_tail(logits, logits, md.columns, dense_tail._COLUMNS, md.seeds, md.positions,
-                                           md.greedy_rows, NUM_DRAWS, block=block, num_warps=warps)  # fmt: skip
+            return dense_tail.sample(logits, logits, md, NUM_DRAWS, block=block, num_warps=warps)
 
         out[f"{block}x{warps}"] = {"ms": timed(call, device, warmup, repeats, iters),
                                    "same_tokens": bool(torch.equal(call().token, want))}  # fmt: skip

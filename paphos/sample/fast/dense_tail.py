@@ -42,7 +42,11 @@ def applicable(md: SamplingMetadata, x: torch.Tensor) -> bool:
     return group.rows is None and group.stages == tuple(s for s in ORDER if s in group.stages)
 
 
-def sample(raw: torch.Tensor, work: torch.Tensor, md: SamplingMetadata, num_draws: int) -> tail_kernels.TailResult:
+def sample(
+    raw: torch.Tensor, work: torch.Tensor, md: SamplingMetadata, num_draws: int, block: int | None = None,
+    num_warps: int | None = None,
+) -> tail_kernels.TailResult:
     """raw: the logits (logsumexp, logprobs); work: what the chain reads (raw, or its pre-chained
-    float32 copy)."""
-    return tail_kernels.dense_tail(raw, work, md.columns, _COLUMNS, md.seeds, md.positions, md.greedy_rows, num_draws)
+    float32 copy); block, num_warps: the launch shape (default: tail_kernels' by row count)."""
+    return tail_kernels.dense_tail(raw, work, md.columns, _COLUMNS, md.seeds, md.positions, md.greedy_rows, num_draws,
+                                   block=block, num_warps=num_warps)  # fmt: skip

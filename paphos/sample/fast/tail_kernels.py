@@ -10,7 +10,7 @@ partials and has the next chunk in flight while it works on one. What made it fa
 fma correction (`kernels.divide`) instead of IEEE division, the max of x / T as max(x) / T, the
 normaliser through the reciprocal alone, the histogram and the race only in chunks holding a
 min-p survivor, and the race in the second pass, so that a row where min-p decides is read twice
-(0.18 / 0.25 / 0.49 ms -> 0.07 / 0.18 / 0.31). Float keys, the hash and the race step are
+(GPU busy 0.18 / 0.22 / 0.45 ms -> the kernel 0.07 / 0.18 / 0.31). Float keys, the hash and the race step are
 kernels.py's.
 """
 
@@ -181,12 +181,12 @@ if triton is not None:
         return kernels.race_block(xs3, (xs3 >= floor_v) & (xs3 > neg), c0 + 3 * BLOCK, step, best, best_id)
 
     @triton.jit
-    def _race_keys(x, cols, n_cols, temp, rtemp, cut, threshold, gather, lo, hi):
-        """A block's v = x / T, its keys, the survivors above the bracket (key > cut, v >=
+    def _race_keys(x, cols, n_cols, temp, rtemp, threshold, gather, lo, hi):
+        """A block's v = x / T, its keys, the survivors above the bracket (key > hi, v >=
         threshold) and, when `gather`, its bracket tokens (lo, hi]."""
         xs = kernels.divide(x, temp, rtemp)
         kx = kernels.float_key(xs).to(tl.int64)
-        return xs, kx, (kx > cut) & (xs >= threshold), tl.where(gather, (kx > lo) & (kx <= hi) & (cols < n_cols), False)
+        return xs, kx, (kx > hi) & (xs >= threshold), tl.where(gather, (kx > lo) & (kx <= hi) & (cols < n_cols), False)
 
     @triton.jit
     def _race_gather_step(xs, kx, keep, inb, cols, step, best, best_id, buf, n_b, CAP: tl.constexpr):
@@ -335,10 +335,10 @@ if triton is not None:
                 for start in range(0, n_cols, 4 * BLOCK):
                     n0, n1, n2, n3 = _load_chunk(work, start + 4 * BLOCK, n_cols, BLOCK)
                     c0, c1, c2, c3 = start + offs, start + offs + BLOCK, start + offs + 2 * BLOCK, start + offs + 3 * BLOCK
-                    xs0, k0, keep0, in0 = _race_keys(x0, c0, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
-                    xs1, k1, keep1, in1 = _race_keys(x1, c1, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
-                    xs2, k2, keep2, in2 = _race_keys(x2, c2, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
-                    xs3, k3, keep3, in3 = _race_keys(x3, c3, n_cols, temp, rtemp, hi, threshold, gather, lo, hi)
+                    xs0, k0, keep0, in0 = _race_keys(x0, c0, n_cols, temp, rtemp, threshold, gather, lo, hi)
+                    xs1, k1, keep1, in1 = _race_keys(x1, c1, n_cols, temp, rtemp, threshold, gather, lo, hi)
+                    xs2, k2, keep2, in2 = _race_keys(x2, c2, n_cols, temp, rtemp, threshold, gather, lo, hi)
+                    xs3, k3, keep3, in3 = _race_keys(x3, c3, n_cols, temp, rtemp, threshold, gather, lo, hi)
                     hit = keep0 | keep1 | keep2 | keep3 | in0 | in1 | in2 | in3
                     if tl.max(hit.to(tl.int32), axis=0) > 0:
                         best, best_id, n_b = _race_gather_step(xs0, k0, keep0, in0, c0, step, best, best_id, buf,
