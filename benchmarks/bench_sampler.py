@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -146,24 +149,48 @@ def tail_set_mismatches(logits: torch.Tensor, md: SamplingMetadata) -> int:
     return int((kept != torch.isfinite(ref)).any(dim=-1).sum())
 
 
-def tail_sweep(logits: torch.Tensor, md: SamplingMetadata, configs: list[tuple[int, int]], device: torch.device,
-               warmup: int, repeats: int, iters: int) -> dict[str, dict]:
-    """The dense tail kernel alone at each (lanes per block, warps): ms per call, and whether its
-    tokens are the default launch's."""
+def tail_sweep(logits: torch.Tensor, md: SamplingMetadata, configs: list[tail_kernels.TailLaunch],
+               device: torch.device, warmup: int, repeats: int, iters: int) -> dict[str, dict]:
+    """The dense tail kernel alone at each launch shape (lanes per quarter chunk, warps, chunks in
+    flight): ms per call, and whether its tokens are the default launch's."""
     want = dense_tail.sample(logits, logits, md, NUM_DRAWS).token
     out = {}
-    for block, warps in configs:
-        def call(block: int = block, warps: int = warps) -> tail_kernels.TailResult:
-            return dense_tail.sample(logits, logits, md, NUM_DRAWS, block=block, num_warps=warps)
+    for launch in configs:
+        def call(launch: tail_kernels.TailLaunch = launch) -> tail_kernels.TailResult:
+            return dense_tail.sample(logits, logits, md, NUM_DRAWS, launch=launch)
 
-        out[f"{block}x{warps}"] = {"ms": timed(call, device, warmup, repeats, iters),
+        out["x".join(map(str, launch))] = {"ms": timed(call, device, warmup, repeats, iters),
                                    "same_tokens": bool(torch.equal(call().token, want))}  # fmt: skip
     return out
 
 
+def _compile_tail(launch: tail_kernels.TailLaunch, batch: int, vocab: int) -> None:
+    """In a worker process: the dense tail kernel at one launch shape for case (b) at this batch,
+    compiled into Triton's disk cache (rows 1 and rows > 1 compile apart)."""
+    device = torch.device("cuda")
+    logits = torch.randn(batch, vocab, device=device)
+    md = SamplingMetadata.build(case_params("b", batch), list(range(batch)), [[] for _ in range(batch)], [0] * batch,
+                                0, vocab, device)  # fmt: skip
+    dense_tail.sample(logits, logits, md, NUM_DRAWS, launch=launch)
+    torch.cuda.synchronize()
+
+
+def precompile_tail(configs: list[tail_kernels.TailLaunch], batches: list[int], vocabs: list[int]) -> float:
+    """Compile every dense tail launch shape a sweep times (and the default ones) in parallel
+    processes: one compile of the kernel takes tens of seconds. -> seconds spent."""
+    start = time.perf_counter()
+    jobs = {(launch, batch, vocab) for vocab in vocabs for batch in batches
+            for launch in [*configs, tail_kernels.TAIL_LAUNCH_FEW, tail_kernels.TAIL_LAUNCH_MANY]}  # fmt: skip
+    workers = min(len(jobs), os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in [pool.submit(_compile_tail, *job) for job in jobs]:
+            done.result()
+    return time.perf_counter() - start
+
+
 def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.device, warmup: int,
              repeats: int, iters: int, check_steps: int, profile: bool = False,
-             tail_configs: list[tuple[int, int]] | None = None) -> dict:
+             tail_configs: list[tail_kernels.TailLaunch] | None = None) -> dict:
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
     params = case_params(case, batch)
@@ -212,14 +239,18 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: per cell, the kernels, GPU busy time and host ops of a call (torch.profiler)")
     parser.add_argument("--no-check", action="store_true", help="skip the fast-vs-reference check")
-    parser.add_argument("--tail-configs", nargs="+", default=[], metavar="LANESxWARPS",
-                        help="CUDA, case (b): also time the dense tail kernel alone at each launch shape, e.g. 512x8")
+    parser.add_argument("--tail-configs", nargs="+", default=[], metavar="LANESxWARPSxDEPTH",
+                        help="CUDA, case (b): also time the dense tail kernel alone at each launch shape "
+                             "(lanes per quarter chunk, warps, chunks in flight), e.g. 512x16x4")
     args = parser.parse_args()
     if args.quick:
         args.vocab, args.batch, args.cases = [128256], [1, 64, 256], list(CASES)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    tail_configs = [tail_kernels.TailLaunch(*map(int, c.split("x"))) for c in args.tail_configs]
+    if tail_configs and device.type == "cuda" and "b" in args.cases:
+        print(f"compiled the dense tail launch shapes in {precompile_tail(tail_configs, args.batch, args.vocab):.0f} s")
     rows = []
     header = (f"{'case':>4} {'batch':>6} {'vocab':>7} {'sampler ms':>11} {'over argmax':>12} {'build ms':>9} "
               f"{'groups':>6} {'ref ms':>9} {'mismatch':>8} {'tail set':>8}")
@@ -229,7 +260,7 @@ def main() -> None:
             for case in args.cases:
                 row = run_cell(case, batch, vocab, args.history, device, args.warmup, args.repeats,
                                args.iters, 0 if args.no_check else args.check_steps, args.profile,
-                               [tuple(int(v) for v in c.split("x")) for c in args.tail_configs])
+                               tail_configs)
                 rows.append(row)
                 print(f"{case:>4} {batch:>6} {vocab:>7} {row['sampler_ms']:>11.3f} {row['over_argmax_ms']:>12.3f} "
                       f"{row['build_ms']:>9.3f} {row['groups']:>6} {row.get('reference_ms', float('nan')):>9.3f} "

@@ -43,14 +43,14 @@ def specs() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]:
         ("race combine", k._race_combine_kernel,
          {"pbest_ptr": P32, "pid_ptr": P64, "nb": I32, "out_ptr": P64}, {"NBP": nbp}, 1),
     ]
-    for block_tail, warps_tail in (tk.TAIL_LAUNCH_FEW, tk.TAIL_LAUNCH_MANY):
-        out.append((f"dense tail ({block_tail}x{warps_tail})", tk._dense_tail_kernel,
+    for launch in (tk.TAIL_LAUNCH_FEW, tk.TAIL_LAUNCH_MANY):
+        out.append((f"dense tail ({'x'.join(map(str, launch))})", tk._dense_tail_kernel,
                     {"raw_ptr": P32, "work_ptr": P32, "stride_raw": I32, "stride_work": I32, "n_cols": I32,
                      "col_ptr": P32, "col_stride": I32, "seed_ptr": P64, "pos_ptr": P64, "greedy_ptr": "*i1",
                      "buf_ptr": P64, "tok_ptr": P64, "id_ptr": P64, "flt_ptr": P32, "n_rows": I32},
-                    {"T_COL": 0, "P_COL": 5, "MP_COL": 7, "SAME": True, "NUM_DRAWS": 2, "BLOCK": block_tail,
-                     "BINS": tk.NBINS, "CAP": tk.TAIL_CAP, "K": tk.TAIL_PIVOTS, "SBLOCK": tk.TAIL_SBLOCK,
-                     "FIRST_STEP": tk.TAIL_FIRST_STEP}, warps_tail))
+                    {"T_COL": 0, "P_COL": 5, "MP_COL": 7, "SAME": True, "NUM_DRAWS": 2, "BLOCK": launch.block,
+                     "DEPTH": launch.depth, "BINS": tk.NBINS, "CAP": tk.TAIL_CAP, "K": tk.TAIL_PIVOTS, "SBLOCK": tk.TAIL_SBLOCK,
+                     "FIRST_STEP": tk.TAIL_FIRST_STEP, "ASM": True}, launch.warps))
     out.append(("race", k._race_kernel, {**x, "step_ptr": P64, "pbest_ptr": P32, "pid_ptr": P64},
                 {"BLOCK": block}, 4))
     out += [
@@ -91,9 +91,12 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {usage!r}")
     code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    # A loop is the span from a backward branch's target to the branch.
-    loops = [(int(t, 16), a) for a, text in code for t in re.findall(r"BRA\s+(?:`\(.*?\)\s*)?(0x[0-9a-f]+)", text)
-             if int(t, 16) <= a]  # fmt: skip
+    # A loop is the span from a backward branch's target to the branch; not the jump back from an
+    # out-of-line block of a collective under divergence (ptxas places it at the end, ENDCOLLECTIVE
+    # then BRA), which runs once per entry.
+    loops = [(int(t, 16), a) for i, (a, text) in enumerate(code)
+             for t in re.findall(r"BRA\s+(?:`\(.*?\)\s*)?(0x[0-9a-f]+)", text)
+             if int(t, 16) <= a and not (i and code[i - 1][1].startswith("ENDCOLLECTIVE"))]  # fmt: skip
     in_loops = sum(1 for a, text in code if re.search(r"\b(LDL|STL)\b", text) and any(lo <= a <= hi for lo, hi in loops))
     return int(found.group(1)), int(found.group(2)), in_loops
 

@@ -130,11 +130,13 @@ def test_race_kernel_matches_torch(kernels, block: int | None) -> None:
     assert torch.isfinite(x.gather(1, got.unsqueeze(1))).all()
 
 
-# (seed, cap, block): the bracket gathered and sorted (large cap), or narrowed first (cap 16, 4
-# pivots: the bracket search and the tie path both run); one block or many per row.
-@pytest.mark.parametrize(("seed", "cap", "block"), [(0, 16, 1024), (1, 16, 64), (0, 256, 64), (1, 256, 1024)])
+# (seed, cap, block, depth): the bracket gathered and sorted (large cap), or narrowed first (cap
+# 16, 4 pivots: the bracket search and the tie path both run); one chunk or many per row, with one
+# or several chunks in flight (more than the row holds, too).
+@pytest.mark.parametrize(("seed", "cap", "block", "depth"),
+                         [(0, 16, 1024, 1), (1, 16, 64, 3), (0, 256, 64, 1), (1, 256, 1024, 2), (0, 256, 32, 4)])
 def test_dense_tail_kernel_survivors_tokens_and_logprobs_match_the_ops(kernels, tail, seed: int, cap: int,
-                                                                       block: int) -> None:
+                                                                       block: int, depth: int) -> None:
     from paphos.sample.fast import race as race_mod
 
     rows, vocab = 12, 600
@@ -150,7 +152,8 @@ def test_dense_tail_kernel_survivors_tokens_and_logprobs_match_the_ops(kernels, 
     greedy[8] = True
     columns = torch.stack([temp, top_p, min_p, torch.zeros(rows)], dim=1)
     seeds, positions = torch.arange(rows) + 100 * seed, torch.arange(rows)
-    got = tail.dense_tail(x, x, columns, (0, 1, 2), seeds, positions, greedy, 2, cap=cap, pivots=4, block=block)
+    got = tail.dense_tail(x, x, columns, (0, 1, 2), seeds, positions, greedy, 2, cap=cap, pivots=4,
+                            launch=tail.TailLaunch(block, 4, depth))
     xs = x / temp.unsqueeze(1)
     ref = apply_min_p(apply_top_k_top_p(xs.clone(), None, top_p), min_p)
     ids = torch.arange(vocab)

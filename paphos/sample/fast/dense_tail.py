@@ -11,7 +11,7 @@ all); (3) otherwise the bin where the mass from the top crosses p * Z brackets t
 race over the tokens above the bracket that pass min-p, and the bracket's tokens into a small
 buffer when min-p leaves any of them, sorted there by (value desc, id asc) to find the last kept
 token exactly (a bracket of more than TAIL_CAP tokens is narrowed first). The host issues one
-launch and four allocations (H200, vocabulary 128k: 0.05 / 0.15 / 0.25 ms over a plain argmax at
+launch and four allocations (H200, vocabulary 128k: 0.06 / 0.11 / 0.15 ms over a plain argmax at
 batch 1 / 64 / 256, benchmarks/README.md). Same semantics as the ops:
 - temperature: x / T rounded as torch's division (`kernels.divide`: bit for bit wherever
   2^-100 <= |x| and |x / T| < 2^127, checked on every float32 x for 99 temperatures);
@@ -43,10 +43,10 @@ def applicable(md: SamplingMetadata, x: torch.Tensor) -> bool:
 
 
 def sample(
-    raw: torch.Tensor, work: torch.Tensor, md: SamplingMetadata, num_draws: int, block: int | None = None,
-    num_warps: int | None = None,
+    raw: torch.Tensor, work: torch.Tensor, md: SamplingMetadata, num_draws: int,
+    launch: tail_kernels.TailLaunch | None = None,
 ) -> tail_kernels.TailResult:
     """raw: the logits (logsumexp, logprobs); work: what the chain reads (raw, or its pre-chained
-    float32 copy); block, num_warps: the launch shape (default: tail_kernels' by row count)."""
+    float32 copy); launch: the kernel's shape (default: tail_kernels' by row count)."""
     return tail_kernels.dense_tail(raw, work, md.columns, _COLUMNS, md.seeds, md.positions, md.greedy_rows, num_draws,
-                                   block=block, num_warps=num_warps)  # fmt: skip
+                                   launch=launch)  # fmt: skip

@@ -5,13 +5,13 @@ sampled token's logprob.
 Data flow: the sampler's logits [R, V] (and their pre-chained float32 copy when a pre-chain
 applies) -> `dense_tail` -> sampled ids, logprobs, logsumexp. The row is read twice, three times
 when top-p cuts above the min-p threshold (`_dense_tail_kernel`); every pass keeps per-lane
-partials and has the next chunk in flight while it works on one. What made it fast on the H200
-(128k vocabulary, GPU time at batch 1 / 64 / 256, benchmarks/README.md): x / T by a product and an
-fma correction (`kernels.divide`) instead of IEEE division, the max of x / T as max(x) / T, the
-normaliser through the reciprocal alone, the histogram and the race only in chunks holding a
-min-p survivor, and the race in the second pass, so that a row where min-p decides is read twice
-(GPU busy 0.18 / 0.22 / 0.45 ms -> the kernel 0.07 / 0.18 / 0.31). Float keys, the hash and the race step are
-kernels.py's.
+partials and has the next four chunks in flight while it works on one. What made it fast on the
+H200 (128k vocabulary, benchmarks/README.md): x / T by a product and an fma correction
+(`kernels.divide`) instead of IEEE division, the max of x / T as max(x) / T, the normaliser's terms
+as one fma and one flushing exp2, the histogram and the race only in blocks holding a min-p
+survivor, the race in the second pass, so that a row where min-p decides is read twice, and four
+chunks in flight (GPU time at batch 1 / 64 / 256: 0.18 / 0.22 / 0.45 ms two stops ago, the kernel
+now 0.053 / 0.134 / 0.203). Float keys, the hash and the race step are kernels.py's.
 """
 
 from __future__ import annotations
@@ -33,14 +33,25 @@ NBINS = 16
 TAIL_CAP = 2048  # bracket tokens sorted in registers to place the top-p boundary exactly
 TAIL_PIVOTS = 16
 TAIL_FIRST_STEP = 1.0  # nats between the fallback's first edges (while its bracket is open below)
-# (lanes per chunk quarter, warps) per row: one large program per row while rows fit the H200's
-# 132 processors, two smaller ones per processor beyond (256 rows of 128k: 0.31 ms against 0.39;
-# 64 rows: 0.18 against 0.20; benchmarks/bench_sampler.py --tail-configs).
-TAIL_LAUNCH_FEW, TAIL_LAUNCH_MANY, TAIL_MANY_ROWS = (512, 16), (256, 8), 132
+
+
+class TailLaunch(NamedTuple):
+    """A launch shape of the dense tail kernel: lanes per quarter chunk, warps, chunks in flight."""
+
+    block: int
+    warps: int
+    depth: int
+
+
+# One large program per row while rows fit the H200's 132 processors, two smaller ones per
+# processor beyond; four chunks in flight (benchmarks/bench_sampler.py --tail-configs, 128k
+# vocabulary, rows 1 / 64 / 256: 0.053 / 0.134 / 0.203 ms against 0.065 / 0.147 / 0.263 with one).
+TAIL_LAUNCH_FEW, TAIL_LAUNCH_MANY, TAIL_MANY_ROWS = TailLaunch(512, 16, 4), TailLaunch(256, 8, 4), 132
 TAIL_SBLOCK = 64  # columns per step of the rare paths (narrowing, ties): [SBLOCK, K] temporaries
 
 
 if triton is not None:
+    LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
     def _scaled_row(row_ptr, cols, n_cols, temp, rtemp):
@@ -131,6 +142,21 @@ if triton is not None:
         return x0, x1, x2, x3, r0, r1, r2, r3
 
     @triton.jit
+    def _ring_start(work, raw, n_cols, BLOCK: tl.constexpr, SAME: tl.constexpr, DEPTH: tl.constexpr):
+        """The first DEPTH chunks' loads, in flight together: a pass loads chunk i + DEPTH before
+        it works on chunk i, so DEPTH chunks' bytes are always on their way (a pass costs about
+        one memory latency per DEPTH chunks; one chunk in flight left it latency-bound)."""
+        ring = ()
+        for i in tl.static_range(DEPTH):
+            ring = ring + (_load_chunks(work, raw, i * 4 * BLOCK, n_cols, BLOCK, SAME),)
+        return ring
+
+    @triton.jit
+    def _ring_step(ring, work, raw, start, n_cols, BLOCK: tl.constexpr, SAME: tl.constexpr, DEPTH: tl.constexpr):
+        """-> (the chunk at start, the ring with the chunk DEPTH further on in flight)."""
+        return ring[0], ring[1:] + (_load_chunks(work, raw, start + DEPTH * 4 * BLOCK, n_cols, BLOCK, SAME),)
+
+    @triton.jit
     def _max_step(x, r, cols, lane_m, lane_arg, lane_rm, SAME: tl.constexpr):
         """Per lane: the max of x with its first column, and the raw max (x's when SAME)."""
         lane_arg = tl.where(x > lane_m, cols, lane_arg)
@@ -139,13 +165,12 @@ if triton is not None:
         return tl.maximum(lane_m, x), lane_arg, lane_rm
 
     @triton.jit
-    def _mass_step(x, r, rtemp, safe, rsafe, lane_z, lane_rz):
-        """Per lane: the sums of exp(x / T - max) and exp(raw - raw max) -> (x * (1 / T), sums).
-        x / T through the reciprocal alone (within an ulp or two of the IEEE quotient): the sum
-        Z moves by rounding only, as under another summation order, and every decision on a
-        token (bins, thresholds, the race) uses the exact quotient (`_exact_chunk`)."""
-        xa = x * rtemp
-        return xa, lane_z + tl.exp(xa - safe), lane_rz + tl.exp(r - rsafe)
+    def _mass_step(x, r, c_x, c_m, c_r, lane_z, lane_rz, ASM: tl.constexpr):
+        """Per lane: the sums of exp(x / T - max) as 2^(x (log2 e / T) - max log2 e) and of
+        exp(raw - raw max) (c_x, c_m, c_r: the constants): one fma and one exp2 each. Within a few
+        ulps of the exact terms, so Z moves by rounding only, as under another summation order;
+        every decision on a token (bins, thresholds, the race) uses the exact quotient."""
+        return lane_z + kernels.exp2_flush(x * c_x - c_m, ASM), lane_rz + kernels.exp2_flush(r * LOG2E - c_r, ASM)
 
     @triton.jit
     def _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe):
@@ -170,6 +195,19 @@ if triton is not None:
         lane_bins = _bin_step(xs1, e1, floor_v, top, jf, lane_bins, BINS)
         lane_bins = _bin_step(xs2, e2, floor_v, top, jf, lane_bins, BINS)
         return _bin_step(xs3, e3, floor_v, top, jf, lane_bins, BINS)
+
+    @triton.jit
+    def _survivor_block(x, cols, temp, rtemp, safe, threshold, top, jf, p_on, step, lane_bins, best, best_id,
+                        BINS: tl.constexpr):  # fmt: skip
+        """A block's min-p survivors (v = x / T >= threshold): their mass per bin when top-p is on,
+        and the race. A block without one costs its quotients and one any-test."""
+        xs = kernels.divide(x, temp, rtemp)
+        keep = (xs >= threshold) & (xs > float("-inf"))
+        if tl.max(keep.to(tl.int32), axis=0) > 0:
+            if p_on:
+                lane_bins = _bin_step(xs, tl.exp(xs - safe), threshold, top, jf, lane_bins, BINS)
+            best, best_id = kernels.race_merge(xs, keep, cols, step, best, best_id)
+        return lane_bins, best, best_id
 
     @triton.jit
     def _race_chunk(xs0, xs1, xs2, xs3, c0, floor_v, step, best, best_id, BLOCK: tl.constexpr):
@@ -204,8 +242,8 @@ if triton is not None:
         raw_ptr, work_ptr, stride_raw, stride_work, n_cols, col_ptr, col_stride, seed_ptr, pos_ptr, greedy_ptr,
         buf_ptr, tok_ptr, id_ptr, flt_ptr, n_rows,
         T_COL: tl.constexpr, P_COL: tl.constexpr, MP_COL: tl.constexpr, SAME: tl.constexpr,
-        NUM_DRAWS: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr,
-        SBLOCK: tl.constexpr, FIRST_STEP: tl.constexpr,
+        NUM_DRAWS: tl.constexpr, BLOCK: tl.constexpr, DEPTH: tl.constexpr, BINS: tl.constexpr, CAP: tl.constexpr,
+        K: tl.constexpr, SBLOCK: tl.constexpr, FIRST_STEP: tl.constexpr, ASM: tl.constexpr,
     ):  # fmt: skip
         """One program per row, two or three reads of it: (1) the max of x with its first column
         and the raw max, max(v) = max(x) / T for v = x / T; (2) the raw logsumexp, the normaliser
@@ -230,22 +268,21 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         jf = tl.arange(0, BINS).to(tl.float32)
         # Every pass keeps per-lane partials (no cross-thread reduction per chunk) and loads the
-        # next chunk of 4 * BLOCK before working on this one: the passes are bound by the loads in
-        # flight per processor. Lane j of a chunk at `start` holds columns start + i * BLOCK + j,
-        # i = 0..3.
+        # chunk DEPTH chunks of 4 * BLOCK ahead before working on this one (`_ring_step`). Lane j
+        # of a chunk at `start` holds columns start + i * BLOCK + j, i = 0..3.
         # (1) maxima and the first argmax of x (greedy rows have T = 1: x's argmax is v's)
         lane_rm = tl.full([BLOCK], neg, tl.float32)
         lane_m = tl.full([BLOCK], neg, tl.float32)
         lane_arg = tl.zeros([BLOCK], tl.int32)
-        x0, x1, x2, x3, r0, r1, r2, r3 = _load_chunks(work, raw, 0, n_cols, BLOCK, SAME)
+        ring = _ring_start(work, raw, n_cols, BLOCK, SAME, DEPTH)
         for start in range(0, n_cols, 4 * BLOCK):
-            n0, n1, n2, n3, s0, s1, s2, s3 = _load_chunks(work, raw, start + 4 * BLOCK, n_cols, BLOCK, SAME)
+            chunk, ring = _ring_step(ring, work, raw, start, n_cols, BLOCK, SAME, DEPTH)
+            x0, x1, x2, x3, r0, r1, r2, r3 = chunk
             c0 = start + offs
             lane_m, lane_arg, lane_rm = _max_step(x0, r0, c0, lane_m, lane_arg, lane_rm, SAME)
             lane_m, lane_arg, lane_rm = _max_step(x1, r1, c0 + BLOCK, lane_m, lane_arg, lane_rm, SAME)
             lane_m, lane_arg, lane_rm = _max_step(x2, r2, c0 + 2 * BLOCK, lane_m, lane_arg, lane_rm, SAME)
             lane_m, lane_arg, lane_rm = _max_step(x3, r3, c0 + 3 * BLOCK, lane_m, lane_arg, lane_rm, SAME)
-            x0, x1, x2, x3, r0, r1, r2, r3 = n0, n1, n2, n3, s0, s1, s2, s3
         mx = tl.max(lane_m, axis=0)
         arg = tl.min(tl.where(lane_m == mx, lane_arg, 0x7FFFFFFF), axis=0).to(tl.int64)
         arg = tl.where(mx == neg, 0, arg)
@@ -266,9 +303,10 @@ if triton is not None:
         # in this pass too wherever they may be the answer: top-p off, or min-p on (top-p may then
         # cut below the threshold); such rows skip pass 3 when top-p does not cut above it.
         race_floor = tl.where(sampled & (~p_on | (threshold > neg)), threshold, float("inf"))
-        # The chunk test runs on x * (1 / T), which may fall a few ulps below x / T: on a floor
-        # lowered by more than that.
-        race_lo = race_floor - (tl.abs(race_floor) * 0.000001 + 1e-30)
+        # The chunk test runs on x against the floor times T, lowered by more than the quotient's
+        # and the product's rounding.
+        hit_x = (race_floor - (tl.abs(race_floor) * 0.000001 + 1e-30)) * temp
+        c_x, c_m, c_r = rtemp * LOG2E, safe * LOG2E, rsafe * LOG2E
         seed = tl.load(seed_ptr + row).to(tl.uint64, bitcast=True)
         step = kernels.splitmix(kernels.splitmix(seed) + tl.load(pos_ptr + row).to(tl.uint64, bitcast=True) * NUM_DRAWS)
         best = tl.full([], neg, tl.float32)
@@ -278,29 +316,34 @@ if triton is not None:
         lane_z = tl.zeros([BLOCK], tl.float32)
         lane_rz = tl.zeros([BLOCK], tl.float32)
         lane_bins = tl.zeros([BINS, BLOCK], tl.float32)
-        x0, x1, x2, x3, r0, r1, r2, r3 = _load_chunks(work, raw, 0, n_cols, BLOCK, SAME)
+        ring = _ring_start(work, raw, n_cols, BLOCK, SAME, DEPTH)
         for start in range(0, n_cols, 4 * BLOCK):
-            n0, n1, n2, n3, s0, s1, s2, s3 = _load_chunks(work, raw, start + 4 * BLOCK, n_cols, BLOCK, SAME)
-            xa0, lane_z, lane_rz = _mass_step(x0, r0, rtemp, safe, rsafe, lane_z, lane_rz)
-            xa1, lane_z, lane_rz = _mass_step(x1, r1, rtemp, safe, rsafe, lane_z, lane_rz)
-            xa2, lane_z, lane_rz = _mass_step(x2, r2, rtemp, safe, rsafe, lane_z, lane_rz)
-            xa3, lane_z, lane_rz = _mass_step(x3, r3, rtemp, safe, rsafe, lane_z, lane_rz)
+            chunk, ring = _ring_step(ring, work, raw, start, n_cols, BLOCK, SAME, DEPTH)
+            x0, x1, x2, x3, r0, r1, r2, r3 = chunk
+            lane_z, lane_rz = _mass_step(x0, r0, c_x, c_m, c_r, lane_z, lane_rz, ASM)
+            lane_z, lane_rz = _mass_step(x1, r1, c_x, c_m, c_r, lane_z, lane_rz, ASM)
+            lane_z, lane_rz = _mass_step(x2, r2, c_x, c_m, c_r, lane_z, lane_rz, ASM)
+            lane_z, lane_rz = _mass_step(x3, r3, c_x, c_m, c_r, lane_z, lane_rz, ASM)
             if floor_v == neg:  # top-p with min-p off: every chunk binned, no race here
                 xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
                 lane_bins = _bin_chunk(xs0, xs1, xs2, xs3, e0, e1, e2, e3, floor_v, top, jf, lane_bins, BINS)
             elif race_floor == neg:  # neither top-p nor min-p: the race over every chunk
                 xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
                 best, best_id = _race_chunk(xs0, xs1, xs2, xs3, start + offs, race_floor, step, best, best_id, BLOCK)
-            elif race_floor < float("inf"):  # min-p on: the chunks holding a token at or above it
-                hit = (xa0 >= race_lo) | (xa1 >= race_lo) | (xa2 >= race_lo) | (xa3 >= race_lo)
+            elif race_floor < float("inf"):  # min-p on: the blocks holding a token at or above it
+                hit = (x0 >= hit_x) | (x1 >= hit_x) | (x2 >= hit_x) | (x3 >= hit_x)
                 if tl.max(hit.to(tl.int32), axis=0) > 0:
-                    xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
-                    if p_on:
-                        lane_bins = _bin_chunk(xs0, xs1, xs2, xs3, e0, e1, e2, e3, floor_v, top, jf, lane_bins,
-                                               BINS)  # fmt: skip
-                    best, best_id = _race_chunk(xs0, xs1, xs2, xs3, start + offs, race_floor, step, best, best_id,
-                                                BLOCK)  # fmt: skip
-            x0, x1, x2, x3, r0, r1, r2, r3 = n0, n1, n2, n3, s0, s1, s2, s3
+                    c0 = start + offs
+                    lane_bins, best, best_id = _survivor_block(x0, c0, temp, rtemp, safe, threshold, top, jf, p_on,
+                                                               step, lane_bins, best, best_id, BINS)  # fmt: skip
+                    lane_bins, best, best_id = _survivor_block(x1, c0 + BLOCK, temp, rtemp, safe, threshold, top, jf,
+                                                               p_on, step, lane_bins, best, best_id, BINS)  # fmt: skip
+                    lane_bins, best, best_id = _survivor_block(x2, c0 + 2 * BLOCK, temp, rtemp, safe, threshold, top,
+                                                               jf, p_on, step, lane_bins, best, best_id,
+                                                               BINS)  # fmt: skip
+                    lane_bins, best, best_id = _survivor_block(x3, c0 + 3 * BLOCK, temp, rtemp, safe, threshold, top,
+                                                               jf, p_on, step, lane_bins, best, best_id,
+                                                               BINS)  # fmt: skip
         z = tl.sum(lane_z, axis=0)
         rz = tl.sum(lane_rz, axis=0)
         bins = tl.sum(lane_bins, axis=1)
@@ -331,9 +374,10 @@ if triton is not None:
                 n_b = tl.zeros([], tl.int64)
                 # (3) the race over the survivors above the bracket (key > hi); the bracket's tokens
                 # gathered. One any-test per chunk skips chunks with neither (nearly all of them).
-                x0, x1, x2, x3 = _load_chunk(work, 0, n_cols, BLOCK)
+                work_ring = _ring_start(work, work, n_cols, BLOCK, True, DEPTH)
                 for start in range(0, n_cols, 4 * BLOCK):
-                    n0, n1, n2, n3 = _load_chunk(work, start + 4 * BLOCK, n_cols, BLOCK)
+                    chunk, work_ring = _ring_step(work_ring, work, work, start, n_cols, BLOCK, True, DEPTH)
+                    x0, x1, x2, x3, _, _, _, _ = chunk
                     c0, c1, c2, c3 = start + offs, start + offs + BLOCK, start + offs + 2 * BLOCK, start + offs + 3 * BLOCK
                     xs0, k0, keep0, in0 = _race_keys(x0, c0, n_cols, temp, rtemp, threshold, gather, lo, hi)
                     xs1, k1, keep1, in1 = _race_keys(x1, c1, n_cols, temp, rtemp, threshold, gather, lo, hi)
@@ -349,7 +393,6 @@ if triton is not None:
                                                                n_b, CAP)  # fmt: skip
                         best, best_id, n_b = _race_gather_step(xs3, k3, keep3, in3, c3, step, best, best_id, buf,
                                                                n_b, CAP)  # fmt: skip
-                    x0, x1, x2, x3 = n0, n1, n2, n3
                 exact = gather & (n_b > CAP)
                 if gather:
                     if n_b <= CAP:
@@ -413,7 +456,7 @@ class TailResult(NamedTuple):
 def dense_tail(
     raw: torch.Tensor, work: torch.Tensor, columns: torch.Tensor, column_index: tuple[int, int, int],
     seeds: torch.Tensor, positions: torch.Tensor, greedy: torch.Tensor, num_draws: int,
-    cap: int | None = None, pivots: int | None = None, block: int | None = None, num_warps: int | None = None,
+    cap: int | None = None, pivots: int | None = None, launch: TailLaunch | None = None,
 ) -> TailResult:
     """Per row of work (the raw logits, or their pre-chained float32 copy): x / T -> top-p (exact,
     sort-free over the vocabulary) -> min-p -> race keyed by (seed, position), greedy rows their
@@ -430,12 +473,12 @@ def dense_tail(
     if rows:
         t_col, p_col, mp_col = column_index
         buf = kernels.empty_on(rows, cap, dtype=torch.int64, like=work)
-        default_block, default_warps = TAIL_LAUNCH_MANY if rows > TAIL_MANY_ROWS else TAIL_LAUNCH_FEW
+        launch = launch or (TAIL_LAUNCH_MANY if rows > TAIL_MANY_ROWS else TAIL_LAUNCH_FEW)
         _dense_tail_kernel[(rows,)](
             raw, work, raw.stride(0), work.stride(0), n, columns, columns.stride(0), seeds, positions, greedy, buf,
             tokens, last_ids, floats, rows, T_COL=t_col, P_COL=p_col, MP_COL=mp_col, SAME=raw is work,
-            NUM_DRAWS=num_draws, BLOCK=block or default_block, BINS=NBINS, CAP=cap, K=pivots or TAIL_PIVOTS,
+            NUM_DRAWS=num_draws, BLOCK=launch.block, DEPTH=launch.depth, BINS=NBINS, CAP=cap, K=pivots or TAIL_PIVOTS,
             SBLOCK=min(TAIL_SBLOCK, triton.next_power_of_2(max(n, 16))), FIRST_STEP=TAIL_FIRST_STEP,
-            num_warps=num_warps or default_warps,
+            ASM=work.is_cuda, num_warps=launch.warps,
         )  # fmt: skip
     return TailResult(tokens, floats[0], floats[1], floats[2], last_ids)
