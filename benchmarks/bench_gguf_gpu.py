@@ -13,7 +13,8 @@ after every section so a timeout keeps what finished):
              cuBLAS); acceptance < 1e-2
   gemv       the batch-1 GEMV (triton_gemv) per (type, shape): rows per program and warps swept,
              the best installed in GEMV_CONFIGS; GB/s of the planes read and fraction of copy
-             BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight)
+             BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight); an integer-dot
+             call includes its launch quantizing x
   sweep      block sizes / split-K / warps of the fused kernel per (type, shape) at M = 16,
              the best one installed in TUNED_CONFIGS (the engine sections use them)
   crossover  fused kernel vs dequantize + cuBLAS at M = 16..256 on the gate_up shape; sets
@@ -167,8 +168,7 @@ GEMV_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=False) for bn, w in (
     (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (4, 4), (8, 4), (1, 8), (2, 8), (4, 8))]  # fmt: skip
 # integer dots (Q4_0, Q4_K, Q8_0): rows per step, warps, rows per program
 GEMV_INT8_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=True, rows_per_program=rpp) for bn, w, rpp in (
-    (1, 4, 16), (2, 4, 16), (2, 4, 32), (2, 4, 64), (4, 4, 16), (4, 4, 32), (1, 8, 8), (2, 8, 16), (4, 8, 32),
-    (1, 16, 16), (2, 16, 32))]  # fmt: skip
+    (1, 4, 4), (2, 2, 8), (2, 4, 8), (1, 8, 8), (1, 4, 16), (2, 4, 16), (4, 4, 16), (2, 8, 16), (2, 16, 32))]  # fmt: skip
 # where integer dots apply, the float kernel's configurations that ever won there
 GEMV_FLOAT_FALLBACK = [tg.GemvConfig(bn, w, int8_x=False) for bn, w in ((1, 4), (4, 2))]
 

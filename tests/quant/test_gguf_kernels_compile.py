@@ -74,7 +74,7 @@ def _integer_gemv(type_name: str, rows: int, k: int) -> None:
     fmt = planes.FORMATS[type_name]
     assert gemv.integer_dots(fmt)
     cfg = tg.default_gemv_config(type_name, rows, k)
-    args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_plane_args(fmt)}
+    args = {"q_ptr": "*i32", "f_ptr": "*fp32", "out_ptr": "*bf16", **_plane_args(fmt)}
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
                       TW=fmt.tile_words, BN=cfg.block_n, T=1 << (k // fmt.tile_values - 1).bit_length(),
@@ -83,6 +83,16 @@ def _integer_gemv(type_name: str, rows: int, k: int) -> None:
                 stride_s=k // 256)  # fmt: skip
     ptx = _compile(gemv._gemv_int8_kernel, args, constexprs, cfg.num_warps, ints)
     assert "dp4a.s32.s32" in ptx and "STACK:0 " in ptx, ptx[-300:]  # no register spills
+
+
+def _quantize_x(type_name: str) -> None:
+    from paphos.quant.gguf import planes
+    from paphos.quant.gguf import triton_gemv as gemv
+
+    fmt = planes.FORMATS[type_name]
+    args = {"x_ptr": "*bf16", "q_ptr": "*i32", "f_ptr": "*fp32", "n_groups": "i32"}
+    constexprs = dict(LO=fmt.lo, TW=fmt.tile_words, TB=gemv.QUANTIZE_GROUPS)
+    assert "STACK:0 " in _compile(gemv._quantize_x_kernel, args, constexprs, 1, {"n_groups": 256})
 
 
 def _float_gemv(type_name: str) -> None:
@@ -127,6 +137,7 @@ CASES = {
     # Llama-3-8B's attention output, gate|up and down projections
     **{f"int8-gemv-{t}-{n}x{k}": (_integer_gemv, t, n, k) for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_1")
        for n, k in ((4096, 4096), (28672, 4096), (4096, 14336))},
+    **{f"quantize-x-{t}": (_quantize_x, t) for t in ("Q4_K", "Q6_K", "Q8_0")},
     **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
     "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
     "gather-Q6_K": (_gather, "Q6_K"),

@@ -142,11 +142,15 @@ def test_batch1_gemv_matches_reference(tg, type_name: str) -> None:  # noqa: ANN
     q2 = np.round(((v - q1) * np.float32(254)).astype(np.float32))
     xq = (amax * np.float32(1 / 127)) * (q1 + q2 / np.float32(254))
     quantized_x = torch.from_numpy(xq.reshape(1, -1).astype(np.float32)) @ dequantize(raw, type_name).t()
+    x_quantized = gemv.quantize_x(x[0].float(), seg.fmt)  # once, as gemv_matmul shares it
     for block_n, warps, rows_per_program in ((1, 1, 3), (4, 2, None), (2, 4, 16)):
         out = torch.empty(N, dtype=torch.float32)
         gemv.gemv(x[0].float(), seg, out, block_n, warps, None, True, rows_per_program)
         assert _rel(out, quantized_x) < 1e-5, (block_n, warps, rows_per_program)
         assert _rel(out, exact) < 1e-4  # 15 bits of x
+        shared = torch.empty(N, dtype=torch.float32)
+        gemv.gemv(x[0].float(), seg, shared, block_n, warps, None, True, rows_per_program, x_quantized)
+        assert torch.equal(shared, out)
 
 
 def _merged_layer(tg, types: tuple[str, ...], rows: tuple[int, ...]) -> tuple[nn.Module, tuple, torch.Tensor]:  # noqa: ANN001

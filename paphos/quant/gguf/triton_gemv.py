@@ -9,13 +9,14 @@ dtype. Two kernels:
 `_gemv_int8_kernel` (`integer_dots`: Q4_0, Q4_1, Q4_K, Q6_K, Q8_0; the default). At batch 1 a
 4-bit weight brings 8 codes per 4 bytes, so instructions per code decide whether the GEMV streams
 at memory speed (an H200 SM issues 128 lanes of instructions per clock). Here codes are never
-converted to floats: each program quantizes x once into two int8 parts per tile group (x = dx *
-(q1 + q2 / 254), dx = max|x| / 127: about 15 bits of x, so results stay within 1e-4 of the exact
-product; one int8 part, as llama.cpp's MMVQ, measured 3e-3 to 9e-3 here), packed in the codes' byte
-order, then streams RPP rows past it, BN at a time: per word of 8 nibbles two masks and four
-`dp4a` (4 byte products each); Q6_K's 2 high bits join their nibbles by a bit spread per word.
-Scales, mins and offsets apply once per tile group, in float32. Each program covers the whole of
-K (T tile groups in registers, one per thread or a few), so x is quantized once per program.
+converted to floats: x is quantized into two int8 parts per tile group (x = dx * (q1 + q2 / 254),
+dx = max|x| / 127: about 15 bits of x, so results stay within 1e-4 of the exact product; one int8
+part, as llama.cpp's MMVQ, measured 3e-3 to 9e-3 here), packed in the codes' byte order, once per
+GEMV call and code layout (`quantize_x`, one small launch shared by the weights multiplying that
+x); each program loads it for the whole of K (T tile groups in registers, one per thread or a
+few) and streams RPP rows past it, BN at a time: per word of 8 nibbles two masks and four `dp4a`
+(4 byte products each); Q6_K's 2 high bits join their nibbles by a bit spread per word. Scales,
+mins and offsets apply once per tile group, in float32.
 
 `_gemv_kernel` (the other linear formats: Q2_K, Q5_*): float codes without int->float
 conversions (a quarter-rate pipe): a code masked in place at bit LO*p of a word and OR-ed into the
@@ -165,6 +166,42 @@ if triton is not None:
                 q2b = _pack_byte(q2b, b2, p, LO)
         dx = amax_t * (1.0 / 127.0)
         xsum = (tl.sum(sum1, axis=1) + tl.sum(sum2, axis=1) * (1.0 / 254.0)) * dx
+        return q1a, q1b, q2a, q2b, dx, xsum
+
+    @triton.jit
+    def _quantize_x_kernel(x_ptr, q_ptr, f_ptr, n_groups, LO: tl.constexpr, TW: tl.constexpr, TB: tl.constexpr):
+        """TB tile groups of x per program (`_quantize_x`) -> int8 part words q_ptr [4, n_groups,
+        TW] (q1 a, q1 b, q2 a, q2 b; the b words only for 4-bit codes) and f_ptr [2, n_groups]
+        (dx, sum of the represented x)."""
+        t = tl.program_id(0) * TB + tl.arange(0, TB)
+        t_ok = t < n_groups
+        q1a, q1b, q2a, q2b, dx, xsum = _quantize_x(x_ptr, t, t_ok, LO, TW)
+        at = t[:, None] * TW + tl.arange(0, TW)[None, :]
+        m = t_ok[:, None]
+        plane = n_groups * TW
+        tl.store(q_ptr + at, q1a, mask=m)
+        tl.store(q_ptr + 2 * plane + at, q2a, mask=m)
+        if LO != 8:
+            tl.store(q_ptr + plane + at, q1b, mask=m)
+            tl.store(q_ptr + 3 * plane + at, q2b, mask=m)
+        tl.store(f_ptr + t, dx, mask=t_ok)
+        tl.store(f_ptr + n_groups + t, xsum, mask=t_ok)
+
+    @triton.jit
+    def _quantized_x_loads(q_ptr, f_ptr, t, t_ok, n_groups, LO: tl.constexpr, TW: tl.constexpr):
+        """`_quantize_x_kernel`'s output for tile groups t, in `_quantize_x`'s layout (one 16-byte
+        load per part and tile group); zeros past K, as `_quantize_x` gives there."""
+        at = t[:, None] * TW + tl.arange(0, TW)[None, :]
+        m = t_ok[:, None]
+        plane = n_groups * TW
+        q1a = tl.load(q_ptr + at, mask=m, other=0)
+        q2a = tl.load(q_ptr + 2 * plane + at, mask=m, other=0)
+        q1b, q2b = q1a, q2a  # 8-bit codes use the a words alone
+        if LO != 8:
+            q1b = tl.load(q_ptr + plane + at, mask=m, other=0)
+            q2b = tl.load(q_ptr + 3 * plane + at, mask=m, other=0)
+        dx = tl.load(f_ptr + t, mask=t_ok, other=0.0)
+        xsum = tl.load(f_ptr + n_groups + t, mask=t_ok, other=0.0)
         return q1a, q1b, q2a, q2b, dx, xsum
 
     @triton.jit
@@ -333,18 +370,18 @@ if triton is not None:
 
     @triton.jit
     def _gemv_int8_kernel(
-        x_ptr, out_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, N, K, stride_lo, stride_hi, stride_g,
+        q_ptr, f_ptr, out_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, N, K, stride_lo, stride_hi, stride_g,
         stride_s, hi_tile_stride,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, TW: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, RPP: tl.constexpr,
         ASM: tl.constexpr,
     ):  # fmt: skip
         """Integer dot products (`integer_dots` formats): one program per RPP rows and the whole
-        of K (T tile groups, a power of two >= K / TV); x is quantized once per program, then BN
-        rows at a time stream past it. Software-pipelined: every load of the next row block is
-        issued before this block's row sums (whose cross-warp reduction is a barrier the compiler
-        does not move loads across), and the first block's before x is quantized, so a program
-        keeps a block's reads in flight while it computes."""
+        of K (T tile groups, a power of two >= K / TV); x comes quantized (`quantize_x`, once per
+        GEMV call and code layout), then BN rows at a time stream past it. Software-pipelined:
+        every load of the next row block is issued before this block's row sums (whose cross-warp
+        reduction is a barrier the compiler does not move loads across), and the first block's
+        before x's, so a program keeps a block's reads in flight while it computes."""
         TV: tl.constexpr = TW * 32 // LO
         t = tl.arange(0, T)
         t_ok = t < K // TV
@@ -354,7 +391,7 @@ if triton is not None:
             lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows, N, t, t_ok, g, stride_lo, stride_hi, stride_g,
             stride_s, hi_tile_stride, HI, SG, SCALE, MINK, TW,
         )  # fmt: skip
-        q1a, q1b, q2a, q2b, dx, xsum = _quantize_x(x_ptr, t, t_ok, LO, TW)
+        q1a, q1b, q2a, q2b, dx, xsum = _quantized_x_loads(q_ptr, f_ptr, t, t_ok, K // TV, LO, TW)
         dr = dx * (1.0 / 254.0)
         for rb in tl.static_range(0, RPP, BN):
             if rb + BN < RPP:
@@ -380,26 +417,51 @@ def integer_dots(fmt: Format) -> bool:
     )
 
 
+def uses_integer_dots(fmt: Format, int8_x: bool | None = None) -> bool:
+    """Whether `gemv` runs the integer-dot kernel for this format (`int8_x` None: where it can)."""
+    return integer_dots(fmt) if int8_x is None else int8_x and integer_dots(fmt)
+
+
+QUANTIZE_GROUPS = 32  # tile groups per program of `_quantize_x_kernel` (one per lane of one warp)
+
+
+def quantize_x(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] -> its two int8 parts per tile group for the integer-dot GEMV of `fmt`'s code layout
+    (words [4, K / TV, TW] int32, and dx, sum [2, K / TV] float32): one launch, shared by every
+    weight of that layout that multiplies this x (`triton_gguf.gemv_matmul`). Quantizing once
+    per call instead of once per program (each program covers the whole of K) takes that work
+    out of the streaming kernels, where it cost as much as the rows' dot products at K = 14336."""
+    n_groups = x.numel() // fmt.tile_values
+    q = torch.empty(4, n_groups, fmt.tile_words, dtype=torch.int32, device=x.device)
+    f = torch.empty(2, n_groups, dtype=torch.float32, device=x.device)
+    _quantize_x_kernel[(triton.cdiv(n_groups, QUANTIZE_GROUPS),)](
+        x, q, f, n_groups, LO=fmt.lo, TW=fmt.tile_words, TB=QUANTIZE_GROUPS, num_warps=1,
+    )  # fmt: skip
+    return q, f
+
+
 def gemv(
     x: torch.Tensor, seg: Segment, out: torch.Tensor, block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = DEFAULT_WARPS, chunk: int | None = None, int8_x: bool | None = None,
-    rows_per_program: int | None = None,
+    rows_per_program: int | None = None, x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:  # fmt: skip
     """out [seg.rows] (x's dtype) = the segment's weight times x [K].
 
     Float codes (`int8_x` False): the K chunk defaults to one tile group per thread (32 *
     num_warps tile groups): fewer leave warps splitting rows (x no longer shared in registers),
-    more raise register use. Integer dots (`int8_x`, the default where `integer_dots` allows): each
-    program quantizes x once and runs `rows_per_program` rows (default 4 * block_n) past it."""
+    more raise register use. Integer dots (`int8_x`, the default where `integer_dots` allows): x
+    quantized by `quantize_x` (`x_quantized`, or here), `rows_per_program` rows (default 4 *
+    block_n) per program."""
     fmt = seg.fmt
     k = seg.k
     planes = seg.planes
     lo = planes["lo"].view(torch.int32) if fmt.lo == 8 else planes["lo"]
     sd, mn, smin = planes.get("sd", lo), planes.get("mn", lo), planes.get("smin", lo)
-    if integer_dots(fmt) if int8_x is None else int8_x and integer_dots(fmt):
+    if uses_integer_dots(fmt, int8_x):
         rpp = rows_per_program or 4 * block_n
+        q, f = x_quantized or quantize_x(x, fmt)
         _gemv_int8_kernel[(triton.cdiv(seg.rows, rpp),)](
-            x, out, lo, planes.get("hi", lo), planes["sc"], sd, mn, smin, seg.rows, k, k * fmt.lo // 32,
+            q, f, out, lo, planes.get("hi", lo), planes["sc"], sd, mn, smin, seg.rows, k, k * fmt.lo // 32,
             k * fmt.hi // 32, k // fmt.sg, k // 256, 1,
             LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, TW=fmt.tile_words,
             BN=block_n, T=1 << (k // fmt.tile_values - 1).bit_length(), RPP=rpp, ASM=x.is_cuda, num_warps=num_warps,

@@ -342,22 +342,19 @@ GEMV_FLOAT_DEFAULTS: dict[str, GemvConfig] = {
 
 
 def default_gemv_config(type_name: str, rows: int, k: int) -> GemvConfig:
-    """By rule where the benchmark's sweep has not tuned the shape (the H200 sweep of the pipelined
-    integer GEMV on Llama-3-8B shapes): past 256 tile groups of K (the down projections) x and
-    two row blocks fill the registers of 4 warps, so 16 warps, 2 rows per step, 32 per program;
-    narrow weights 4 rows per step and 16 per program; wide ones 2 per step and 32 per program,
-    except with a high-bit plane (Q6_K) or past 65536 rows (the head): 1 per step, 16 per program
-    (the Q6_K head: 170 us against 230)."""
+    """By rule where the benchmark's sweep has not tuned the shape, from the H200 sweep of the
+    integer GEMV with x quantized once per call (Llama-3-8B shapes, benchmarks/README.md): one
+    row per step and four per program (many short programs) came within 7 % of the best
+    configuration on every shape but two, where 8 warps and 8 rows per program win: 8-bit codes
+    past 256 tile groups of K (the Q8_0 down projection: 19.5 us against 21.3) and a high-bit
+    plane past 65536 rows (the Q6_K head: 141.5 against 154.4). Blocks of 2 rows past 256 tile
+    groups collapse there (the Q4_K down projection: 33 to 228 us against 15.9)."""
     fmt = FORMATS[type_name]
     if not triton_gemv.integer_dots(fmt):
         return GEMV_FLOAT_DEFAULTS.get(type_name, GemvConfig(1, 4))
-    if k // fmt.tile_values > 256:
-        return GemvConfig(2, 16, rows_per_program=32)
-    if rows <= 8192:
-        return GemvConfig(4, 4, rows_per_program=16)
-    if fmt.hi or rows > 65536:
-        return GemvConfig(1, 4, rows_per_program=16)
-    return GemvConfig(2, 4, rows_per_program=32)
+    if (fmt.lo == 8 and k // fmt.tile_values > 256) or (fmt.hi and rows > 65536):
+        return GemvConfig(1, 8, rows_per_program=8)
+    return GemvConfig(1, 4, rows_per_program=4)
 
 
 def matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
@@ -374,14 +371,19 @@ def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch
     """x [1, K] -> [1, n_total]: triton_gemv for every segment of a format it supports, the fused
     kernel for the others (IQ4 look-up tables, Q3_K)."""
     out = torch.empty(1, n_total, dtype=x.dtype, device=x.device)
+    quantized: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # x per code layout
     for seg in segments:
         dst = out[0, seg.row_start : seg.row_start + seg.rows]
         if triton_gemv.supports(seg.fmt):
             cfg = GEMV_CONFIGS.get((seg.type_name, seg.rows, seg.k)) or default_gemv_config(
                 seg.type_name, seg.rows, seg.k
             )
+            xq = None
+            if triton_gemv.uses_integer_dots(seg.fmt, cfg.int8_x):
+                layout = (seg.fmt.lo, seg.fmt.tile_words)
+                xq = quantized.get(layout) or quantized.setdefault(layout, triton_gemv.quantize_x(x[0], seg.fmt))
             triton_gemv.gemv(
-                x[0], seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x, cfg.rows_per_program
+                x[0], seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x, cfg.rows_per_program, xq
             )
         else:
             dst.copy_(fused_matmul(x, [seg], seg.rows)[0])
