@@ -8,13 +8,15 @@ Pipeline, per row and independent of batch companions (contract §4.1):
      ops/ that is the identity for neutral values and runs only when some row of the group uses it;
      from a top-k with a host-known bound on, the chain runs on compacted [R, C] candidates
      (fast/compact.py); a batch-wide (temperature, top-p, min-p) group is one kernel on CUDA,
-     row stats and the draw included (fast/dense_tail.py); many orders over few stages run by
+     row stats and the draw included (fast/dense_tail.py), and elsewhere, with min-p on in every
+     sampling row, sorts only min-p's survivors (dense_tail.sample_min_p_head); many orders over few stages run by
      slot (metadata.py); on CUDA a batch with a `fused` plan runs its history stages in one
      kernel (fast/history.py), then one kernel from top-k to the draw, every row in its own
      order (fast/chain.py)
   -> skew -> select: greedy rows take the argmax; the others the exponential race with their own
      counter-based per-token uniforms (fast/race.py); mirostat rows then update their mu.
-There is no host<->device synchronisation in here: the caller reads the sampled ids back once.
+On CUDA there is no host<->device synchronisation in here: the caller reads the sampled ids back
+once (the CPU path's checks on the min-p head read values on the host, where that costs nothing).
 `Sampler(fast=False)` is the reference form (full vocabulary, torch ops, same draw).
 """
 
@@ -226,6 +228,13 @@ class Sampler:
             work = apply_pre_chain(logits.to(torch.float32, copy=True), md) if md.has_pre_chain else logits
             tail = dense_tail.sample(logits, work, md, NUM_DRAWS)
             return self._output(logits, md, tail.token, tail.logprob, tail.lse, None)
+        if self.fast and dense_tail.min_p_head_applicable(md, logits):
+            work = apply_pre_chain(logits.to(torch.float32, copy=True), md) if md.has_pre_chain else logits
+            sampled = dense_tail.sample_min_p_head(work, md, NUM_DRAWS)
+            if sampled is not None:
+                _, _, lse = row_stats(logits)
+                sampled_raw = logits.gather(1, sampled.unsqueeze(1)).float().squeeze(1)
+                return self._output(logits, md, sampled, sampled_raw - lse, lse, None)
         if self.fast:
             amax, argmax, lse = row_stats(logits)
         else:

@@ -172,3 +172,35 @@ def test_bad_words_and_position_bans_mask_their_tokens() -> None:
                                 torch.device("cpu"), position_bans=[[], [], [9]])
     out = Sampler()(logits, md).sampled_token_ids.tolist()
     assert out == [0, 9, 8]
+
+
+@pytest.mark.parametrize("cap", [None, 3])
+def test_min_p_rows_on_cpu_sort_only_survivors_and_draw_as_the_whole_row_chain(
+    cap: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temperature, top-p and min-p on CPU: only min-p's survivors are sorted (dense_tail.
+    sample_min_p_head), and every token and logprob equals the reference form's, which sorts
+    whole rows: top-p cutting above min-p's threshold and below it, min-p alone, a greedy row,
+    ties, -inf entries and a logit bias. With a cap below the survivor count the ops run instead."""
+    from paphos.sample.fast import dense_tail
+
+    if cap is not None:
+        monkeypatch.setattr(dense_tail, "MIN_P_HEAD_CAP", cap)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, VOCAB, generator=gen) * 2
+    logits[1, :10] = logits[1].max()  # ten-way tie at the top
+    logits[2, ::3] = float("-inf")
+    params = [SamplingParams(temperature=0.8, top_p=0.5, min_p=0.02), SamplingParams(temperature=1.3, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, top_p=0.99, min_p=0.3, logit_bias={4: 3.0}),
+              SamplingParams(temperature=2.0, top_p=0.3, min_p=0.001)]  # fmt: skip
+    calls = []
+    head = dense_tail.sample_min_p_head
+    monkeypatch.setattr(dense_tail, "sample_min_p_head", lambda *a: calls.append(head(*a)) or calls[-1])
+    for position in range(8):
+        md = build(params, [11, 12, 13, 14, 15, 16], [[1, 2, 3] + [7] * position] * 6)
+        assert dense_tail.min_p_head_applicable(md, logits)
+        fast, reference = Sampler()(logits, md), Sampler(fast=False)(logits, md)
+        assert torch.equal(fast.sampled_token_ids, reference.sampled_token_ids), position
+        assert torch.allclose(fast.sampled_logprobs, reference.sampled_logprobs, atol=1e-6)
+    assert len(calls) == 8 and all((c is None) == (cap is not None) for c in calls)
