@@ -381,7 +381,9 @@ def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch
             xq = None
             if triton_gemv.uses_integer_dots(seg.fmt, cfg.int8_x):
                 layout = (seg.fmt.lo, seg.fmt.tile_words)
-                xq = quantized.get(layout) or quantized.setdefault(layout, triton_gemv.quantize_x(x[0], seg.fmt))
+                if layout not in quantized:
+                    quantized[layout] = triton_gemv.quantize_x(x[0], seg.fmt)
+                xq = quantized[layout]
             triton_gemv.gemv(
                 x[0], seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x, cfg.rows_per_program, xq
             )

@@ -52,6 +52,7 @@ TAIL_SBLOCK = 64  # columns per step of the rare paths (narrowing, ties): [SBLOC
 
 if triton is not None:
     LOG2E = tl.constexpr(1.4426950408889634)
+    CHUNK = tl.constexpr(4)  # blocks per chunk: a pass's unit of loads and of its any-tests
 
     @triton.jit
     def _scaled_row(row_ptr, cols, n_cols, temp, rtemp):
@@ -123,23 +124,22 @@ if triton is not None:
 
     @triton.jit
     def _load_chunk(row_ptr, start, n_cols, BLOCK: tl.constexpr):
-        """Columns start + i * BLOCK + lane (i = 0..3) as four [BLOCK] float32 tensors, -inf past
-        the row: four coalesced loads, no layout change between them."""
+        """A chunk: block i (i < CHUNK) holds columns start + i * BLOCK + lane, a tuple of [BLOCK]
+        float32 tensors, -inf past the row: coalesced loads, no layout change between them."""
         cols = start + tl.arange(0, BLOCK)
-        x0 = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        x1 = tl.load(row_ptr + cols + BLOCK, mask=cols + BLOCK < n_cols, other=float("-inf")).to(tl.float32)
-        x2 = tl.load(row_ptr + cols + 2 * BLOCK, mask=cols + 2 * BLOCK < n_cols, other=float("-inf")).to(tl.float32)
-        x3 = tl.load(row_ptr + cols + 3 * BLOCK, mask=cols + 3 * BLOCK < n_cols, other=float("-inf")).to(tl.float32)
-        return x0, x1, x2, x3
+        blocks = ()
+        for i in tl.static_range(CHUNK):
+            at = cols + i * BLOCK
+            blocks = blocks + (tl.load(row_ptr + at, mask=at < n_cols, other=float("-inf")).to(tl.float32),)
+        return blocks
 
     @triton.jit
     def _load_chunks(work, raw, start, n_cols, BLOCK: tl.constexpr, SAME: tl.constexpr):
-        """`_load_chunk` of the work row and of the raw row (the same tensors when SAME)."""
-        x0, x1, x2, x3 = _load_chunk(work, start, n_cols, BLOCK)
+        """`_load_chunk` of the work row and of the raw row (the same blocks when SAME)."""
+        x = _load_chunk(work, start, n_cols, BLOCK)
         if SAME:
-            return x0, x1, x2, x3, x0, x1, x2, x3
-        r0, r1, r2, r3 = _load_chunk(raw, start, n_cols, BLOCK)
-        return x0, x1, x2, x3, r0, r1, r2, r3
+            return x, x
+        return x, _load_chunk(raw, start, n_cols, BLOCK)
 
     @triton.jit
     def _ring_start(work, raw, n_cols, BLOCK: tl.constexpr, SAME: tl.constexpr, DEPTH: tl.constexpr):
@@ -148,13 +148,13 @@ if triton is not None:
         one memory latency per DEPTH chunks; one chunk in flight left it latency-bound)."""
         ring = ()
         for i in tl.static_range(DEPTH):
-            ring = ring + (_load_chunks(work, raw, i * 4 * BLOCK, n_cols, BLOCK, SAME),)
+            ring = ring + (_load_chunks(work, raw, i * CHUNK * BLOCK, n_cols, BLOCK, SAME),)
         return ring
 
     @triton.jit
     def _ring_step(ring, work, raw, start, n_cols, BLOCK: tl.constexpr, SAME: tl.constexpr, DEPTH: tl.constexpr):
         """-> (the chunk at start, the ring with the chunk DEPTH further on in flight)."""
-        return ring[0], ring[1:] + (_load_chunks(work, raw, start + DEPTH * 4 * BLOCK, n_cols, BLOCK, SAME),)
+        return ring[0], ring[1:] + (_load_chunks(work, raw, start + DEPTH * CHUNK * BLOCK, n_cols, BLOCK, SAME),)
 
     @triton.jit
     def _max_step(x, r, cols, lane_m, lane_arg, lane_rm, SAME: tl.constexpr):
@@ -173,28 +173,11 @@ if triton is not None:
         return lane_z + kernels.exp2_flush(x * c_x - c_m, ASM), lane_rz + kernels.exp2_flush(r * LOG2E - c_r, ASM)
 
     @triton.jit
-    def _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe):
-        """A chunk's v = x / T rounded as torch's division, and exp(v - max)."""
-        xs0 = kernels.divide(x0, temp, rtemp)
-        xs1 = kernels.divide(x1, temp, rtemp)
-        xs2 = kernels.divide(x2, temp, rtemp)
-        xs3 = kernels.divide(x3, temp, rtemp)
-        return xs0, xs1, xs2, xs3, tl.exp(xs0 - safe), tl.exp(xs1 - safe), tl.exp(xs2 - safe), tl.exp(xs3 - safe)
-
-    @triton.jit
     def _bin_step(xs, e, floor_v, top, jf, lane_bins, BINS: tl.constexpr):
         """Per lane: the mass of the v >= floor_v per 1-nat bin below top ([BINS, BLOCK]: the
         lanes' layout, no cross-thread traffic)."""
         depth = tl.minimum(top - tl.floor(xs), BINS - 1.0)
         return lane_bins + tl.where((jf[:, None] == depth[None, :]) & (xs >= floor_v)[None, :], e[None, :], 0.0)
-
-    @triton.jit
-    def _bin_chunk(xs0, xs1, xs2, xs3, e0, e1, e2, e3, floor_v, top, jf, lane_bins, BINS: tl.constexpr):
-        """`_bin_step` over a chunk's four blocks."""
-        lane_bins = _bin_step(xs0, e0, floor_v, top, jf, lane_bins, BINS)
-        lane_bins = _bin_step(xs1, e1, floor_v, top, jf, lane_bins, BINS)
-        lane_bins = _bin_step(xs2, e2, floor_v, top, jf, lane_bins, BINS)
-        return _bin_step(xs3, e3, floor_v, top, jf, lane_bins, BINS)
 
     @triton.jit
     def _survivor_block(x, cols, temp, rtemp, safe, threshold, top, jf, p_on, step, lane_bins, best, best_id,
@@ -208,15 +191,6 @@ if triton is not None:
                 lane_bins = _bin_step(xs, tl.exp(xs - safe), threshold, top, jf, lane_bins, BINS)
             best, best_id = kernels.race_merge(xs, keep, cols, step, best, best_id)
         return lane_bins, best, best_id
-
-    @triton.jit
-    def _race_chunk(xs0, xs1, xs2, xs3, c0, floor_v, step, best, best_id, BLOCK: tl.constexpr):
-        """The race over a chunk's finite v >= floor_v, merged into (best, best_id)."""
-        neg = float("-inf")
-        best, best_id = kernels.race_block(xs0, (xs0 >= floor_v) & (xs0 > neg), c0, step, best, best_id)
-        best, best_id = kernels.race_block(xs1, (xs1 >= floor_v) & (xs1 > neg), c0 + BLOCK, step, best, best_id)
-        best, best_id = kernels.race_block(xs2, (xs2 >= floor_v) & (xs2 > neg), c0 + 2 * BLOCK, step, best, best_id)
-        return kernels.race_block(xs3, (xs3 >= floor_v) & (xs3 > neg), c0 + 3 * BLOCK, step, best, best_id)
 
     @triton.jit
     def _race_keys(x, cols, n_cols, temp, rtemp, threshold, gather, lo, hi):
@@ -268,21 +242,19 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         jf = tl.arange(0, BINS).to(tl.float32)
         # Every pass keeps per-lane partials (no cross-thread reduction per chunk) and loads the
-        # chunk DEPTH chunks of 4 * BLOCK ahead before working on this one (`_ring_step`). Lane j
-        # of a chunk at `start` holds columns start + i * BLOCK + j, i = 0..3.
+        # chunk DEPTH chunks of CHUNK * BLOCK ahead before working on this one (`_ring_step`). Lane j
+        # of a chunk at `start` holds columns start + i * BLOCK + j, i < CHUNK.
         # (1) maxima and the first argmax of x (greedy rows have T = 1: x's argmax is v's)
         lane_rm = tl.full([BLOCK], neg, tl.float32)
         lane_m = tl.full([BLOCK], neg, tl.float32)
         lane_arg = tl.zeros([BLOCK], tl.int32)
         ring = _ring_start(work, raw, n_cols, BLOCK, SAME, DEPTH)
-        for start in range(0, n_cols, 4 * BLOCK):
+        for start in range(0, n_cols, CHUNK * BLOCK):
             chunk, ring = _ring_step(ring, work, raw, start, n_cols, BLOCK, SAME, DEPTH)
-            x0, x1, x2, x3, r0, r1, r2, r3 = chunk
-            c0 = start + offs
-            lane_m, lane_arg, lane_rm = _max_step(x0, r0, c0, lane_m, lane_arg, lane_rm, SAME)
-            lane_m, lane_arg, lane_rm = _max_step(x1, r1, c0 + BLOCK, lane_m, lane_arg, lane_rm, SAME)
-            lane_m, lane_arg, lane_rm = _max_step(x2, r2, c0 + 2 * BLOCK, lane_m, lane_arg, lane_rm, SAME)
-            lane_m, lane_arg, lane_rm = _max_step(x3, r3, c0 + 3 * BLOCK, lane_m, lane_arg, lane_rm, SAME)
+            x, r = chunk  # (triton 3.6 takes no nested unpacking)
+            for i in tl.static_range(CHUNK):
+                lane_m, lane_arg, lane_rm = _max_step(x[i], r[i], start + offs + i * BLOCK, lane_m, lane_arg, lane_rm,
+                                                      SAME)  # fmt: skip
         mx = tl.max(lane_m, axis=0)
         arg = tl.min(tl.where(lane_m == mx, lane_arg, 0x7FFFFFFF), axis=0).to(tl.int64)
         arg = tl.where(mx == neg, 0, arg)
@@ -317,33 +289,28 @@ if triton is not None:
         lane_rz = tl.zeros([BLOCK], tl.float32)
         lane_bins = tl.zeros([BINS, BLOCK], tl.float32)
         ring = _ring_start(work, raw, n_cols, BLOCK, SAME, DEPTH)
-        for start in range(0, n_cols, 4 * BLOCK):
+        for start in range(0, n_cols, CHUNK * BLOCK):
             chunk, ring = _ring_step(ring, work, raw, start, n_cols, BLOCK, SAME, DEPTH)
-            x0, x1, x2, x3, r0, r1, r2, r3 = chunk
-            lane_z, lane_rz = _mass_step(x0, r0, c_x, c_m, c_r, lane_z, lane_rz, ASM)
-            lane_z, lane_rz = _mass_step(x1, r1, c_x, c_m, c_r, lane_z, lane_rz, ASM)
-            lane_z, lane_rz = _mass_step(x2, r2, c_x, c_m, c_r, lane_z, lane_rz, ASM)
-            lane_z, lane_rz = _mass_step(x3, r3, c_x, c_m, c_r, lane_z, lane_rz, ASM)
+            x, r = chunk  # (triton 3.6 takes no nested unpacking)
+            for i in tl.static_range(CHUNK):
+                lane_z, lane_rz = _mass_step(x[i], r[i], c_x, c_m, c_r, lane_z, lane_rz, ASM)
             if floor_v == neg:  # top-p with min-p off: every chunk binned, no race here
-                xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
-                lane_bins = _bin_chunk(xs0, xs1, xs2, xs3, e0, e1, e2, e3, floor_v, top, jf, lane_bins, BINS)
-            elif race_floor == neg:  # neither top-p nor min-p: the race over every chunk
-                xs0, xs1, xs2, xs3, e0, e1, e2, e3 = _exact_chunk(x0, x1, x2, x3, temp, rtemp, safe)
-                best, best_id = _race_chunk(xs0, xs1, xs2, xs3, start + offs, race_floor, step, best, best_id, BLOCK)
+                for i in tl.static_range(CHUNK):
+                    xs = kernels.divide(x[i], temp, rtemp)
+                    lane_bins = _bin_step(xs, tl.exp(xs - safe), floor_v, top, jf, lane_bins, BINS)
+            elif race_floor == neg:  # neither top-p nor min-p: the race over every finite v
+                for i in tl.static_range(CHUNK):
+                    xs = kernels.divide(x[i], temp, rtemp)
+                    best, best_id = kernels.race_block(xs, xs > neg, start + offs + i * BLOCK, step, best, best_id)
             elif race_floor < float("inf"):  # min-p on: the blocks holding a token at or above it
-                hit = (x0 >= hit_x) | (x1 >= hit_x) | (x2 >= hit_x) | (x3 >= hit_x)
+                hit = x[0] >= hit_x
+                for i in tl.static_range(1, CHUNK):
+                    hit = hit | (x[i] >= hit_x)
                 if tl.max(hit.to(tl.int32), axis=0) > 0:
-                    c0 = start + offs
-                    lane_bins, best, best_id = _survivor_block(x0, c0, temp, rtemp, safe, threshold, top, jf, p_on,
-                                                               step, lane_bins, best, best_id, BINS)  # fmt: skip
-                    lane_bins, best, best_id = _survivor_block(x1, c0 + BLOCK, temp, rtemp, safe, threshold, top, jf,
-                                                               p_on, step, lane_bins, best, best_id, BINS)  # fmt: skip
-                    lane_bins, best, best_id = _survivor_block(x2, c0 + 2 * BLOCK, temp, rtemp, safe, threshold, top,
-                                                               jf, p_on, step, lane_bins, best, best_id,
-                                                               BINS)  # fmt: skip
-                    lane_bins, best, best_id = _survivor_block(x3, c0 + 3 * BLOCK, temp, rtemp, safe, threshold, top,
-                                                               jf, p_on, step, lane_bins, best, best_id,
-                                                               BINS)  # fmt: skip
+                    for i in tl.static_range(CHUNK):
+                        lane_bins, best, best_id = _survivor_block(x[i], start + offs + i * BLOCK, temp, rtemp, safe,
+                                                                   threshold, top, jf, p_on, step, lane_bins, best,
+                                                                   best_id, BINS)  # fmt: skip
         z = tl.sum(lane_z, axis=0)
         rz = tl.sum(lane_rz, axis=0)
         bins = tl.sum(lane_bins, axis=1)
@@ -375,24 +342,21 @@ if triton is not None:
                 # (3) the race over the survivors above the bracket (key > hi); the bracket's tokens
                 # gathered. One any-test per chunk skips chunks with neither (nearly all of them).
                 work_ring = _ring_start(work, work, n_cols, BLOCK, True, DEPTH)
-                for start in range(0, n_cols, 4 * BLOCK):
+                for start in range(0, n_cols, CHUNK * BLOCK):
                     chunk, work_ring = _ring_step(work_ring, work, work, start, n_cols, BLOCK, True, DEPTH)
-                    x0, x1, x2, x3, _, _, _, _ = chunk
-                    c0, c1, c2, c3 = start + offs, start + offs + BLOCK, start + offs + 2 * BLOCK, start + offs + 3 * BLOCK
-                    xs0, k0, keep0, in0 = _race_keys(x0, c0, n_cols, temp, rtemp, threshold, gather, lo, hi)
-                    xs1, k1, keep1, in1 = _race_keys(x1, c1, n_cols, temp, rtemp, threshold, gather, lo, hi)
-                    xs2, k2, keep2, in2 = _race_keys(x2, c2, n_cols, temp, rtemp, threshold, gather, lo, hi)
-                    xs3, k3, keep3, in3 = _race_keys(x3, c3, n_cols, temp, rtemp, threshold, gather, lo, hi)
-                    hit = keep0 | keep1 | keep2 | keep3 | in0 | in1 | in2 | in3
+                    x = chunk[0]
+                    blocks = ()
+                    for i in tl.static_range(CHUNK):
+                        blocks = blocks + (_race_keys(x[i], start + offs + i * BLOCK, n_cols, temp, rtemp, threshold,
+                                                      gather, lo, hi),)  # fmt: skip
+                    hit = blocks[0][2] | blocks[0][3]
+                    for i in tl.static_range(1, CHUNK):
+                        hit = hit | blocks[i][2] | blocks[i][3]
                     if tl.max(hit.to(tl.int32), axis=0) > 0:
-                        best, best_id, n_b = _race_gather_step(xs0, k0, keep0, in0, c0, step, best, best_id, buf,
-                                                               n_b, CAP)  # fmt: skip
-                        best, best_id, n_b = _race_gather_step(xs1, k1, keep1, in1, c1, step, best, best_id, buf,
-                                                               n_b, CAP)  # fmt: skip
-                        best, best_id, n_b = _race_gather_step(xs2, k2, keep2, in2, c2, step, best, best_id, buf,
-                                                               n_b, CAP)  # fmt: skip
-                        best, best_id, n_b = _race_gather_step(xs3, k3, keep3, in3, c3, step, best, best_id, buf,
-                                                               n_b, CAP)  # fmt: skip
+                        for i in tl.static_range(CHUNK):
+                            xs, kx, keep, inb = blocks[i]
+                            best, best_id, n_b = _race_gather_step(xs, kx, keep, inb, start + offs + i * BLOCK, step,
+                                                                   best, best_id, buf, n_b, CAP)  # fmt: skip
                 exact = gather & (n_b > CAP)
                 if gather:
                     if n_b <= CAP:
