@@ -19,6 +19,7 @@ after every section so a timeout keeps what finished):
              the best one installed in TUNED_CONFIGS (the engine sections use them)
   crossover  fused kernel vs dequantize + cuBLAS at M = 16..256 on the gate_up shape; sets
              FUSED_MAX_TOKENS to the largest M where fused wins
+  q4_k_m_no_pdl  the Q4_K_M engine's batch-1 decode with programmatic dependent launch off
   q4_k_m, q8_0, bf16   the engine (paphos.LLM, CUDA graphs): batch-1 decode tok/s (and GB/s of
              the weight bytes read per token, fraction of copy BW), batch-16 / 64 decode tok/s,
              pp512 tok/s, weight memory on the GPU (every parameter and buffer, embedding and head
@@ -63,12 +64,13 @@ from make_random_gguf import random_blocks as gguf_random_blocks  # noqa: E402
 from make_random_gguf import write as write_gguf  # noqa: E402
 
 from paphos import LLM  # noqa: E402
+from paphos.layers import pdl  # noqa: E402
 from paphos.quant.gguf import planes  # noqa: E402
 from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "gemv", "sweep", "crossover", "q4_k_m", "q8_0", "bf16")
+SECTIONS = ("ceilings", "kernels", "gemv", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0", "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 # llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512.
 LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500}, "q8_0": {"tg128": 255, "pp512": 11100},
@@ -168,7 +170,8 @@ GEMV_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=False) for bn, w in (
     (1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (1, 4), (2, 4), (4, 4), (8, 4), (1, 8), (2, 8), (4, 8))]  # fmt: skip
 # integer dots (Q4_0, Q4_K, Q8_0): rows per step, warps, rows per program
 GEMV_INT8_CANDIDATES = [tg.GemvConfig(bn, w, int8_x=True, rows_per_program=rpp) for bn, w, rpp in (
-    (1, 4, 4), (2, 2, 8), (2, 4, 8), (1, 8, 8), (1, 4, 16), (2, 4, 16), (4, 4, 16), (2, 8, 16), (2, 16, 32))]  # fmt: skip
+    (1, 4, 4), (2, 2, 8), (2, 4, 8), (1, 8, 8), (1, 4, 16), (2, 4, 16), (4, 4, 16), (2, 8, 16), (2, 16, 32),
+    (1, 8, 4), (1, 16, 8), (1, 16, 16))]  # fmt: skip
 # where integer dots apply, the float kernel's configurations that ever won there
 GEMV_FLOAT_FALLBACK = [tg.GemvConfig(bn, w, int8_x=False) for bn, w in ((1, 4), (4, 2))]
 
@@ -212,8 +215,9 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     bw = bench.results.get("copy_bw")
     types = bench.args.gemv_types.split(",") if bench.args.gemv_types else None
+    shapes = bench.args.gemv_shapes.split(",") if bench.args.gemv_shapes else None
     for type_name, name, n, k in GEMV_SHAPES:
-        if types and type_name not in types:
+        if (types and type_name not in types) or (shapes and name not in shapes):
             continue
         seg, raw = _segment(type_name, n, k)
         ref_w = dequantize(raw, type_name)
@@ -237,7 +241,14 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
             results.append({"cfg": cfg.__dict__, "us": t * 1e6, "GBps": nbytes / t / 1e9, "rel_err": err})
         ok = [r for r in results if "us" in r]
         best = min(ok, key=lambda r: r["us"])
-        tg.GEMV_CONFIGS[(type_name, n, k)] = tg.GemvConfig(**best["cfg"])
+        tg.GEMV_CONFIGS[(type_name, n, k)] = cfg = tg.GemvConfig(**best["cfg"])
+        pdl.ENABLED = False  # the same launches, each starting after the previous one finished
+        try:
+            best["us_no_pdl"] = 1e6 * graph_time([
+                partial(tg.triton_gemv.gemv, x[0], c_seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x,
+                        cfg.rows_per_program) for c_seg in copies])  # fmt: skip
+        finally:
+            pdl.ENABLED = True
         w16 = ref_w.to(torch.bfloat16)
         w16s = [w16] + [w16.clone() for _ in range(math.ceil(3 * L2_BYTES / (w16.numel() * 2)) - 1)]
         t16 = graph_time([lambda w=w, v=x: torch.nn.functional.linear(v, w) for w in w16s])
@@ -247,7 +258,8 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
             "cublas_bf16_us": t16 * 1e6, "cublas_bf16_GBps": w16.numel() * 2 / t16 / 1e9,
             "all": results,
         }  # fmt: skip
-        print(f"gemv {type_name} {name} {n}x{k}: {best['us']:.1f} us {best['GBps']:.0f} GB/s best {best['cfg']} "
+        print(f"gemv {type_name} {name} {n}x{k}: {best['us']:.1f} us ({best['us_no_pdl']:.1f} without PDL) "
+              f"{best['GBps']:.0f} GB/s best {best['cfg']} "
               f"(cuBLAS bf16 {t16 * 1e6:.1f} us); " + ", ".join(
                   f"{'i' if r['cfg']['int8_x'] else 'f'}{r['cfg']['block_n']}/{r['cfg']['num_warps']}"
                   f"/{r['cfg']['rows_per_program'] or ''}:{r.get('us', float('nan')):.1f}" for r in results),
@@ -400,7 +412,7 @@ def _weight_report(llm: LLM, gguf_path: Path | None) -> dict[str, Any]:
     return report
 
 
-def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
+def _run_engine(bench: Bench, kind: str, path: Path | None, batch1_only: bool = False) -> dict[str, Any]:
     args = bench.args
     vocab = bench.config["vocab_size"]
     kwargs: dict[str, Any] = dict(
@@ -427,20 +439,30 @@ def _run_engine(bench: Bench, kind: str, path: Path | None) -> dict[str, Any]:
             "tok_s": 1 / tpot, "step_ms": tpot * 1e3, "GBps": read_bytes / tpot / 1e9,
             "frac_copy_bw": read_bytes / tpot / bw if bw else None,
         }  # fmt: skip
+        # Greedy tokens of a fixed prompt (graph-replayed decode): equal with and without
+        # programmatic dependent launch (section q4_k_m_no_pdl compares), or a kernel reads early.
+        # (96 tokens: a prefill past FUSED_MAX_TOKENS, whose GEMMs have no split-K atomics.)
+        done = llm.generate([random_prompts(1, 96, vocab, 7)[0]],
+                            SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))  # fmt: skip
+        out["greedy_tokens"] = done[0].outputs[0].token_ids
         if args.profile:
             out["profile_batch1"] = _profile_decode(llm, vocab)
             print_profile(f"{kind} batch-1 decode step", out["profile_batch1"])
-        for batch in (16, 64):
+        for batch in () if batch1_only else (16, 64):
             steps = engine_steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
             decode = [t for t, rows in steps[1:] if rows == batch]
             out[f"batch{batch}"] = (
                 {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
             )
         times = []
-        for seed in range(4):  # pp512: one 512-token prompt per step (chunk >= 512), best of the last 3
+        for seed in range(0 if batch1_only else 4):  # pp512: one 512-token prompt per step (chunk >= 512), best of the last 3
             steps = engine_steps(llm, random_prompts(1, 512, vocab, 100 + seed), 1)
             times.append(steps[0][0])
-        out["pp512"] = {"tok_s": 512 / min(times[1:]), "ms": min(times[1:]) * 1e3}
+        if times:
+            out["pp512"] = {"tok_s": 512 / min(times[1:]), "ms": min(times[1:]) * 1e3, "all_ms": [t * 1e3 for t in times]}
+        if args.profile and times:
+            out["profile_pp512"] = _profile_prefill(llm, vocab)
+            print_profile(f"{kind} pp512 step", out["profile_pp512"])
     finally:
         del llm
         gc.collect()
@@ -467,6 +489,40 @@ def _profile_decode(llm: LLM, vocab: int) -> dict[str, Any]:
             engine.step()
 
 
+def _profile_prefill(llm: LLM, vocab: int, calls: int = 3) -> dict[str, Any]:
+    """kernel_profile of pp512 engine steps (each call prefills one new 512-token prompt), then
+    the host's Python time of two more under cProfile: where a step's wall time goes when it
+    exceeds the GPU's busy time."""
+    import cProfile
+    import pstats
+
+    engine = llm.engine
+    prompts = iter(random_prompts(calls + 2, 512, vocab, 200))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prefill() -> None:
+        engine.add_request(f"pp512-{time.monotonic_ns()}", next(prompts), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    out = kernel_profile(prefill, calls)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2):
+        prefill()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, func), (_, calls_n, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"fn": f"{Path(path).name}:{line}:{func}", "calls": calls_n / 2, "self_ms": tottime * 500,
+                     "cum_ms": cumtime * 500})  # fmt: skip
+    out["python_by_self_ms"] = sorted(rows, key=lambda r: -r["self_ms"])[:25]
+    out["python_by_cum_ms"] = sorted(rows, key=lambda r: -r["cum_ms"])[:40]
+    for r in out["python_by_self_ms"][:15]:
+        print(f"   self {r['self_ms']:7.2f} ms  cum {r['cum_ms']:7.2f}  x{r['calls']:6.0f}  {r['fn']}")
+    return out
+
+
 def _gguf_path(bench: Bench, mix: str) -> Path:
     given = bench.args.q4km if mix == "q4_k_m" else bench.args.q8
     if given:
@@ -485,6 +541,19 @@ def section_q4_k_m(bench: Bench) -> dict[str, Any]:
 
 def section_q8_0(bench: Bench) -> dict[str, Any]:
     return _run_engine(bench, "q8_0", _gguf_path(bench, "q8_0"))
+
+
+def section_q4_k_m_no_pdl(bench: Bench) -> dict[str, Any]:
+    """The Q4_K_M engine's batch-1 decode with programmatic dependent launch off (paphos/layers/pdl.py)."""
+    pdl.ENABLED = False
+    try:
+        out = _run_engine(bench, "q4_k_m", _gguf_path(bench, "q4_k_m"), batch1_only=True)
+    finally:
+        pdl.ENABLED = True
+    with_pdl = bench.results.get("q4_k_m", {}).get("greedy_tokens")
+    out["same_greedy_tokens_as_pdl"] = None if with_pdl is None else with_pdl == out["greedy_tokens"]
+    print(f"q4_k_m without PDL: same greedy tokens as with PDL: {out['same_greedy_tokens_as_pdl']}")
+    return out
 
 
 def section_bf16(bench: Bench) -> dict[str, Any]:
@@ -547,8 +616,9 @@ def main() -> None:
     parser.add_argument("--gmu", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--gemv-types", help="gemv section: only these types (comma-separated)")
+    parser.add_argument("--gemv-shapes", help="gemv section: only these shape names (e.g. down,head)")
     parser.add_argument("--profile", action="store_true",
-                        help="engine sections: also profile batch-1 decode steps (kernels, launches)")
+                        help="engine sections: also profile a batch-1 decode step and a pp512 step")
     parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of the config sweep")
     args = parser.parse_args()
     bench = Bench(args)

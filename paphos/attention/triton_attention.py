@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from paphos.attention.backend import FP8_KV_DTYPES
+from paphos.layers import pdl
 
 LOG2E = 1.4426950408889634
 
@@ -134,7 +135,10 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.release(PDL)
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -218,7 +222,10 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MIXED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.release(PDL)
+    pdl.wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     if MIXED:
@@ -344,6 +351,7 @@ def paged_attention_decode(
         DOT_FP32=_dot_fp32(q),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl.options(q),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -359,6 +367,7 @@ def paged_attention_decode(
             NUM_SPLITS=num_splits,
             MIXED=mixed,
             num_warps=4,
+            **pdl.options(q),
         )
 
 

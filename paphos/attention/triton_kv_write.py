@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from paphos.attention.backend import FP8_KV_DTYPES
+from paphos.layers import pdl
 from paphos.layers.fused import _rope_rotate_heads
 
 
@@ -95,8 +96,10 @@ def _rope_write_kv_kernel(
     k_scale, v_scale, fp8_max,
     HALF: tl.constexpr, Q_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP8: tl.constexpr,
-    FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+    FP8_MANT: tl.constexpr, FP8_MIN_EXP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.release(PDL)
+    pdl.wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token)
     dims = tl.arange(0, HALF)[None, :]
@@ -186,5 +189,5 @@ def rope_and_write_kv_cache_triton(
         q, k, v, kv_cache, slot_mapping, positions, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_args[:4], cos_sin_cache.stride(0), num_q_heads, *cache_args[4:],
-        HALF=half, Q_HEADS=triton.next_power_of_2(num_q_heads), **consts,
+        HALF=half, Q_HEADS=triton.next_power_of_2(num_q_heads), **consts, **pdl.options(q),
     )  # fmt: skip

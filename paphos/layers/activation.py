@@ -7,14 +7,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from paphos.layers import fused
+from paphos.quant import x_int8
 
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] on the last axis -> silu(gate) * up (SwiGLU, Llama-family MLPs)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Set after loading (x_int8.feed), as RMSNorm's: the down projection's int8 layout.
+        self.int8_layout: x_int8.Int8Layout | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.available(x):
-            return fused.silu_and_mul(x)
+            return fused.silu_and_mul(x, self.int8_layout)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from paphos.layers import pdl
+from paphos.quant import x_int8
+
 try:
     import triton
     import triton.language as tl
@@ -31,10 +34,13 @@ if triton is not None:
 
     @triton.jit
     def _add_rmsnorm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, f_ptr,
         n_cols, eps, stride_x, stride_res, stride_out,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl.release(PDL)
+        pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -51,9 +57,25 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         out = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+        if QLO > 0:
+            _int8_parts(out_ptr + row * stride_out, q_ptr, f_ptr, 0, n_cols, BLOCK, QLO, QTW)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.constexpr):
+    def _int8_parts(x_ptr, q_ptr, f_ptr, col0, n_cols, BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr):
+        """After a program stored x[col0 : col0 + BLOCK] of a one-row output: the int8 parts of
+        those columns' tile groups (x_int8.store_groups), read back from what it stored."""
+        TV: tl.constexpr = QTW * 32 // QLO
+        tl.debug_barrier()  # the values were stored by other threads of this program
+        t = col0 // TV + tl.arange(0, BLOCK // TV)
+        x_int8.store_groups(x_ptr, q_ptr, f_ptr, t, t < n_cols // TV, n_cols // TV, QLO, QTW)
+
+    @triton.jit
+    def _silu_and_mul_kernel(
+        x_ptr, out_ptr, q_ptr, f_ptr, n_cols, stride_x, stride_out,
+        BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        pdl.release(PDL)
+        pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -63,6 +85,8 @@ if triton is not None:
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+        if QLO > 0:
+            _int8_parts(out_ptr + row * stride_out, q_ptr, f_ptr, tl.program_id(1) * BLOCK, n_cols, BLOCK, QLO, QTW)
 
     @triton.jit
     def _rope_rotate_heads(
@@ -92,8 +116,10 @@ if triton is not None:
         q_ptr, k_ptr, pos_ptr, cache_ptr,
         q_stride_token, q_stride_head, k_stride_token, k_stride_head, cache_stride,
         num_q_heads, num_k_heads,
-        HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+        HALF: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl.release(PDL)
+        pdl.wait(PDL)
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + token)
         dims = tl.arange(0, HALF)[None, :]
@@ -104,36 +130,66 @@ if triton is not None:
 
 
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    int8_layout: x_int8.Int8Layout | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """x, residual [T, H] -> (norm(x + residual) * weight, x + residual); without a residual the
-    second result is None. Same arithmetic as `RMSNorm` in norm.py."""
+    second result is None. Same arithmetic as `RMSNorm` in norm.py. With `int8_layout` and one
+    row, the kernel also writes the output's int8 parts for the GEMV it feeds (attached to it)."""
     x = x.contiguous()
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     if residual is not None:
         residual = residual.contiguous()
+    parts = _int8_output(out, int8_layout)
     if rows:
         _add_rmsnorm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
-            cols, eps, x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+            *_int8_pointers(out, parts), cols, eps, x.stride(0), (residual if residual is not None else x).stride(0),
+            out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+            **_int8_constexprs(parts), **pdl.options(x),
         )  # fmt: skip
     return out, res_out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] [T, 2I] -> silu(gate) * up [T, I]; same arithmetic as `SiluAndMul`."""
+def silu_and_mul(x: torch.Tensor, int8_layout: x_int8.Int8Layout | None = None) -> torch.Tensor:
+    """x = [gate | up] [T, 2I] -> silu(gate) * up [T, I]; same arithmetic as `SiluAndMul`. With
+    `int8_layout` and one row, also the output's int8 parts (as `add_rmsnorm`)."""
     rows, width = x.shape
     cols = width // 2
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(cols))
+    parts = _int8_output(out, int8_layout)
+    if parts is not None and (cols % block or block % parts.layout.tile_values):
+        parts = None  # a program must cover whole tile groups
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](x, out, cols, x.stride(0), out.stride(0), BLOCK=block)
+        _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
+            x, out, *_int8_pointers(out, parts), cols, x.stride(0), out.stride(0), BLOCK=block,
+            **_int8_constexprs(parts), **pdl.options(x),
+        )  # fmt: skip
     return out
+
+
+def _int8_output(out: torch.Tensor, layout: x_int8.Int8Layout | None) -> x_int8.Int8X | None:
+    """The int8 parts a producer writes beside `out` (one row, a whole number of tile groups), attached
+    to it; None where it writes none."""
+    if layout is None or out.shape[0] != 1 or out.shape[1] % layout.tile_values:
+        return None
+    parts = x_int8.empty(out, layout)
+    x_int8.attach(out, parts)
+    return parts
+
+
+def _int8_pointers(out: torch.Tensor, parts: x_int8.Int8X | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return (parts.words, parts.scales) if parts is not None else (out, out)
+
+
+def _int8_constexprs(parts: x_int8.Int8X | None) -> dict[str, int]:
+    lo, tw = parts.layout if parts is not None else (0, 1)
+    return {"QLO": lo, "QTW": tw}
 
 
 def rope_(
@@ -153,5 +209,6 @@ def rope_(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
             num_q_heads, num_k_heads,
             HALF=half, Q_HEADS=triton.next_power_of_2(num_q_heads), K_HEADS=triton.next_power_of_2(num_k_heads),
+            **pdl.options(q),
         )  # fmt: skip
     return q, k

@@ -13,6 +13,7 @@ from torch import nn
 
 from paphos.layers import fused
 from paphos.layers.weights import default_weight_loader
+from paphos.quant import x_int8
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +24,9 @@ class RMSNorm(nn.Module):
             torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
         )
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        # Set after loading (x_int8.feed): the layout in which the next layer's batch-1 GEMV
+        # reads int8 parts of this norm's output, which the fused kernel then writes too.
+        self.int8_layout: x_int8.Int8Layout | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -35,7 +39,7 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s), s
         being the residual stream the next block adds into."""
         if fused.available(x):
-            out, summed = fused.add_rmsnorm(x, residual, self.weight, self.eps)
+            out, summed = fused.add_rmsnorm(x, residual, self.weight, self.eps, self.int8_layout)
             return out if summed is None else (out, summed)
         if residual is None:
             return self._norm(x)

@@ -24,6 +24,7 @@ from paphos.layers.rotary import RotaryEmbedding
 from paphos.layers.weights import ShapeMismatchError, default_weight_loader
 from paphos.models import hf_config
 from paphos.models.errors import UnsupportedModelError, WeightLoadError
+from paphos.quant import x_int8
 
 
 def _method(quant_config: QuantConfig | None, prefix: str) -> LinearMethod | None:
@@ -143,6 +144,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, mlp_bias, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def feed_int8_inputs(self) -> None:
+        """After loading: each norm and the activation also write, at batch 1, the int8 parts of
+        x the next projection's GEMV reads (x_int8.feed; nothing for layers that read none)."""
+        x_int8.feed(self.input_layernorm, self.self_attn.qkv_proj)
+        x_int8.feed(self.post_attention_layernorm, self.mlp.gate_up_proj)
+        x_int8.feed(self.mlp.act, self.mlp.down_proj)
 
     def forward(
         self,
@@ -329,3 +337,6 @@ class LlamaForCausalLM(nn.Module):
                 module.quant_method.process_weights_after_loading(module)
             elif isinstance(module, (VocabEmbedding, LMHead)):
                 module.process_weights_after_loading()
+        for module in self.modules():
+            if isinstance(module, LlamaDecoderLayer):
+                module.feed_int8_inputs()

@@ -11,6 +11,7 @@ from paphos.layers import fused
 from paphos.layers.activation import SiluAndMul
 from paphos.layers.norm import RMSNorm
 from paphos.layers.rotary import RotaryEmbedding
+from paphos.quant import x_int8
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,3 +76,34 @@ def test_rope_in_place_matches_reference(rotary_fraction: float) -> None:
     _assert_close_bf16(got_k.cpu(), want_k, atol=ULPS * 2**-6)
     # In place: the fused buffer holds the rotated heads; the v part is untouched.
     torch.testing.assert_close(dev_qkv[:, (hq + hkv) * head_dim :].cpu(), qkv[:, (hq + hkv) * head_dim :])
+
+
+@pytest.mark.parametrize("producer", ["add_rmsnorm", "silu_and_mul"])
+@pytest.mark.parametrize("layout", [x_int8.Int8Layout(4, 4), x_int8.Int8Layout(4, 2), x_int8.Int8Layout(8, 4)])
+def test_producers_write_the_int8_parts_of_their_output(producer: str, layout: x_int8.Int8Layout) -> None:
+    """At one row, the norm and SiLU x mul write their output's int8 parts for the next GEMV (in its
+    code layout) in the same kernel: the same words and scales as quantizing the output apart, and
+    attached to the output; at several rows, none."""
+    torch.manual_seed(3)
+    width = 2048 if producer == "silu_and_mul" else 320  # 2048: two programs of 1024 columns
+    if producer == "add_rmsnorm":
+        weight = torch.randn(width, dtype=torch.bfloat16).to(DEVICE)
+
+        def run(rows: int) -> torch.Tensor:
+            x = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
+            res = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
+            out, _ = fused.add_rmsnorm(x, res, weight, 1e-5, layout)
+            return out
+    else:
+
+        def run(rows: int) -> torch.Tensor:
+            return fused.silu_and_mul(torch.randn(rows, 2 * width, dtype=torch.bfloat16).to(DEVICE) * 3, layout)
+
+    out = run(1)
+    parts = x_int8.attached(out, layout)
+    assert parts is not None
+    want = x_int8.quantize(out[0], layout)
+    used = [0, 2] if layout.lo == 8 else [0, 1, 2, 3]  # 8-bit codes have no b words
+    assert torch.equal(parts.words[used], want.words[used]) and torch.equal(parts.scales, want.scales)
+    assert x_int8.attached(out, x_int8.Int8Layout(8 if layout.lo == 4 else 4, 4)) is None  # another layout
+    assert x_int8.attached(run(3), layout) is None

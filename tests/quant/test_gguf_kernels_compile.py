@@ -1,6 +1,9 @@
 """The GGUF Triton kernels compile for sm_90 (H100/H200) on this machine, no GPU needed: the
 interpreter runs of test_gguf_triton.py accept code that may not lower for the GPU (a constexpr
-reassigned in an unrolled loop, inline PTX, layouts). The batch-1 GEMVs must not spill. The
+reassigned in an unrolled loop, inline PTX, layouts, programmatic dependent launch: the
+interpreter never runs the PDL branches). The batch-1 GEMVs must not spill; the kernels of the
+batch-1 path (GEMVs, x's quantization, the norm and SiLU x mul writing it) wait for the kernels
+before them (griddepcontrol.wait). The
 compiles run in a child process without TRITON_INTERPRET (this one has the interpreter set up), once
 with the installed triton and once with the H200 image's (tests/device_triton.py)."""
 
@@ -58,9 +61,9 @@ def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], wa
     return kernel.asm["ptx"] + usage
 
 
-def _plane_args(fmt: object, lo: str = "*i32") -> dict[str, str]:
+def _plane_args(fmt: object, lo: str = "*i32", hi: str = "*i32") -> dict[str, str]:
     return {
-        "lo_ptr": lo, "hi_ptr": "*i32", "sc_ptr": _POINTER[fmt.scale], "sd_ptr": "*fp16",
+        "lo_ptr": lo, "hi_ptr": hi, "sc_ptr": _POINTER[fmt.scale], "sd_ptr": "*fp16",
         "mn_ptr": "*fp16" if fmt.mink == 1 else "*u8", "smin_ptr": "*fp16",
     }  # fmt: skip
 
@@ -74,25 +77,47 @@ def _integer_gemv(type_name: str, rows: int, k: int) -> None:
     fmt = planes.FORMATS[type_name]
     assert gemv.integer_dots(fmt)
     cfg = tg.default_gemv_config(type_name, rows, k)
-    args = {"q_ptr": "*i32", "f_ptr": "*fp32", "out_ptr": "*bf16", **_plane_args(fmt)}
-    args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
+    args = {"q_ptr": "*i32", "f_ptr": "*fp32", "out_ptr": "*bf16", **_plane_args(fmt, hi="*i16")}
+    args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
                       TW=fmt.tile_words, BN=cfg.block_n, T=1 << (k // fmt.tile_values - 1).bit_length(),
-                      RPP=cfg.rows_per_program, ASM=True)  # fmt: skip
-    ints = dict(N=rows, K=k, stride_lo=k * fmt.lo // 32, stride_hi=k * fmt.hi // 32, stride_g=k // fmt.sg,
+                      RPP=cfg.rows_per_program, ASM=True, PDL=True)  # fmt: skip
+    ints = dict(N=rows, K=k, stride_lo=k * fmt.lo // 32, stride_hi=k * fmt.hi // 16, stride_g=k // fmt.sg,
                 stride_s=k // 256)  # fmt: skip
     ptx = _compile(gemv._gemv_int8_kernel, args, constexprs, cfg.num_warps, ints)
     assert "dp4a.s32.s32" in ptx and "STACK:0 " in ptx, ptx[-300:]  # no register spills
+    assert "griddepcontrol.wait" in ptx
 
 
 def _quantize_x(type_name: str) -> None:
+    from paphos.quant import x_int8
     from paphos.quant.gguf import planes
-    from paphos.quant.gguf import triton_gemv as gemv
 
     fmt = planes.FORMATS[type_name]
     args = {"x_ptr": "*bf16", "q_ptr": "*i32", "f_ptr": "*fp32", "n_groups": "i32"}
-    constexprs = dict(LO=fmt.lo, TW=fmt.tile_words, TB=gemv.QUANTIZE_GROUPS)
-    assert "STACK:0 " in _compile(gemv._quantize_x_kernel, args, constexprs, 1, {"n_groups": 256})
+    constexprs = dict(LO=fmt.lo, TW=fmt.tile_words, TB=x_int8.QUANTIZE_GROUPS, PDL=True)
+    ptx = _compile(x_int8._quantize_x_kernel, args, constexprs, 1, {"n_groups": 256})
+    assert "STACK:0 " in ptx and "griddepcontrol.wait" in ptx
+
+
+def _x_producer(kernel_name: str, type_name: str) -> None:
+    """The norm and SiLU x mul kernels writing x's int8 parts for a GEMV of `type_name`."""
+    from paphos.layers import fused
+    from paphos.quant.gguf import planes
+
+    fmt = planes.FORMATS[type_name]
+    quant = dict(QLO=fmt.lo, QTW=fmt.tile_words, PDL=True)
+    parts = {"q_ptr": "*i32", "f_ptr": "*fp32"}
+    if kernel_name == "add_rmsnorm":
+        args = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
+                **parts, "n_cols": "i32", "eps": "fp32", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
+        ptx = _compile(fused._add_rmsnorm_kernel, args, dict(HAS_RESIDUAL=True, BLOCK=4096, **quant), 4,
+                       dict(n_cols=4096, stride_x=4096, stride_res=4096, stride_out=4096))
+    else:
+        args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **parts, "n_cols": "i32", "stride_x": "i32", "stride_out": "i32"}
+        ptx = _compile(fused._silu_and_mul_kernel, args, dict(BLOCK=1024, **quant), 4,
+                       dict(n_cols=14336, stride_x=28672, stride_out=14336))
+    assert "STACK:0 " in ptx and "griddepcontrol.wait" in ptx and "bar.sync" in ptx
 
 
 def _float_gemv(type_name: str) -> None:
@@ -104,7 +129,8 @@ def _float_gemv(type_name: str) -> None:
     args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **_plane_args(fmt)}
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
-                      SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=2, KC=64 * fmt.tile_values, EVEN_K=False)  # fmt: skip
+                      SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=2, KC=64 * fmt.tile_values, EVEN_K=False,
+                      PDL=True)  # fmt: skip
     assert "STACK:0 " in _compile(gemv._gemv_kernel, args, constexprs, 2)
 
 
@@ -138,6 +164,7 @@ CASES = {
     **{f"int8-gemv-{t}-{n}x{k}": (_integer_gemv, t, n, k) for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_1")
        for n, k in ((4096, 4096), (28672, 4096), (4096, 14336))},
     **{f"quantize-x-{t}": (_quantize_x, t) for t in ("Q4_K", "Q6_K", "Q8_0")},
+    "norm-int8-x-Q4_K": (_x_producer, "add_rmsnorm", "Q4_K"), "silu-int8-x-Q8_0": (_x_producer, "silu", "Q8_0"),
     **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
     "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
     "gather-Q6_K": (_gather, "Q6_K"),

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from paphos.quant import x_int8
 from paphos.quant.gguf import planes
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import GGUFShard
@@ -26,6 +27,7 @@ from tests.quant.gguf_blocks import random_blocks, weight_scale
 
 _MODULE = "paphos.quant.gguf.triton_gguf"
 _GEMV = "paphos.quant.gguf.triton_gemv"
+_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.quant.x_int8", _GEMV)
 
 
 def _reimport(interpret: bool) -> bool:
@@ -37,7 +39,8 @@ def _reimport(interpret: bool) -> bool:
     try:
         module = sys.modules.get(_MODULE) or importlib.import_module(_MODULE)
         if isinstance(module._fused_kernel, InterpretedFunction) != interpret:
-            importlib.reload(sys.modules[_GEMV])  # rebinds the kernel globals in place
+            for name in _KERNEL_MODULES:  # rebinds the kernel globals in place, callees first
+                importlib.reload(sys.modules[name])
             importlib.reload(module)
             return True
         return False
@@ -142,7 +145,7 @@ def test_batch1_gemv_matches_reference(tg, type_name: str) -> None:  # noqa: ANN
     q2 = np.round(((v - q1) * np.float32(254)).astype(np.float32))
     xq = (amax * np.float32(1 / 127)) * (q1 + q2 / np.float32(254))
     quantized_x = torch.from_numpy(xq.reshape(1, -1).astype(np.float32)) @ dequantize(raw, type_name).t()
-    x_quantized = gemv.quantize_x(x[0].float(), seg.fmt)  # once, as gemv_matmul shares it
+    x_quantized = x_int8.quantize(x[0].float(), gemv.int8_layout(seg.fmt))  # once, as gemv_matmul shares it
     for block_n, warps, rows_per_program in ((1, 1, 3), (4, 2, None), (2, 4, 16)):
         out = torch.empty(N, dtype=torch.float32)
         gemv.gemv(x[0].float(), seg, out, block_n, warps, None, True, rows_per_program)
@@ -184,6 +187,38 @@ def test_merged_shards_of_mixed_types(tg, monkeypatch: pytest.MonkeyPatch) -> No
     x = torch.randn(tg.FUSED_MAX_TOKENS + 1, K, generator=gen).to(torch.bfloat16)
     assert _rel(kernel.apply(layer, x), x.float() @ w.t()) < 1e-2
     tg._SCRATCH.clear()
+
+
+def test_batch1_gemv_takes_the_int8_parts_its_producer_attached(tg, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A Q4_K_M attention layer (q|k Q4_K, v Q6_K): its producer is asked for the Q4_K layout (most
+    of the bytes), the GEMV uses the parts attached to x for those segments and quantizes only
+    the Q6_K layout itself; the result equals quantizing both itself."""
+    from types import SimpleNamespace
+
+    from paphos.layers.linear import UnquantizedLinearMethod
+    from paphos.layers.norm import RMSNorm
+    from paphos.quant.gguf.linear import GGUFLinearMethod
+
+    layer, shards, _ = _merged_layer(tg, ("Q4_K", "Q4_K", "Q6_K"), (32, 16, 16))
+    kernel = tg.TritonGGUFKernel()
+    kernel.prepare(layer, shards, torch.bfloat16)
+    layout = kernel.int8_input_layout()
+    assert layout == x_int8.Int8Layout(4, 4)
+    method = GGUFLinearMethod([])
+    method.kernel = kernel
+    norm = RMSNorm(K)
+    x_int8.feed(norm, SimpleNamespace(quant_method=method))
+    assert norm.int8_layout == layout
+    x_int8.feed(norm, SimpleNamespace(quant_method=UnquantizedLinearMethod()))
+    assert norm.int8_layout is None
+
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    plain = kernel.apply(layer, x)
+    fed = x_int8.attach(x.clone(), x_int8.quantize(x[0], layout))
+    quantize, layouts = x_int8.quantize, []
+    monkeypatch.setattr(x_int8, "quantize", lambda v, lay: layouts.append(lay) or quantize(v, lay))
+    assert torch.equal(method.apply(layer, fed), plain)
+    assert layouts == [x_int8.Int8Layout(4, 2)]
 
 
 def test_self_check_failure_falls_back_to_dequantize_at_load(tg, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001

@@ -35,6 +35,7 @@ from paphos.layers.linear import LinearBase
 from paphos.layers.weights import copy_checked
 from paphos.loader.gguf_loader import GGUFCheckpoint
 from paphos.loader.gguf_reader import GGUFTensor
+from paphos.quant import x_int8
 from paphos.quant.gguf.dequant import SUPPORTED_TYPES, dequantize
 from paphos.quant.gguf.kernels import (
     DequantPerCallKernel,
@@ -162,10 +163,16 @@ class GGUFLinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel is None:
             raise RuntimeError(f"{'+'.join(self.raw_tensor_names)}: GGUF weights used before loading")
-        y = self.kernel.apply(layer, x.reshape(-1, x.shape[-1]))
+        # x itself when it is 2-D: a view would drop the int8 parts its producer attached (x_int8)
+        y = self.kernel.apply(layer, x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def int8_input_layout(self, layer: LinearBase) -> x_int8.Int8Layout | None:
+        """The layout of int8 parts of x the kernel's batch-1 GEMV reads (x_int8.feed), if any."""
+        layout = getattr(self.kernel, "int8_input_layout", None)
+        return layout() if layout is not None else None
 
 
 class GGUFQuantConfig:

@@ -9,14 +9,16 @@ dtype. Two kernels:
 `_gemv_int8_kernel` (`integer_dots`: Q4_0, Q4_1, Q4_K, Q6_K, Q8_0; the default). At batch 1 a
 4-bit weight brings 8 codes per 4 bytes, so instructions per code decide whether the GEMV streams
 at memory speed (an H200 SM issues 128 lanes of instructions per clock). Here codes are never
-converted to floats: x is quantized into two int8 parts per tile group (x = dx * (q1 + q2 / 254),
-dx = max|x| / 127: about 15 bits of x, so results stay within 1e-4 of the exact product; one int8
-part, as llama.cpp's MMVQ, measured 3e-3 to 9e-3 here), packed in the codes' byte order, once per
-GEMV call and code layout (`quantize_x`, one small launch shared by the weights multiplying that
-x); each program loads it for the whole of K (T tile groups in registers, one per thread or a
-few) and streams RPP rows past it, BN at a time: per word of 8 nibbles two masks and four `dp4a`
-(4 byte products each); Q6_K's 2 high bits join their nibbles by a bit spread per word. Scales,
-mins and offsets apply once per tile group, in float32.
+converted to floats: x comes as two int8 parts per tile group, packed in the codes' byte order
+(paphos/quant/x_int8.py: about 15 bits of x, results within 1e-4 of the exact product), written
+once per step and code layout by the kernel that produced x or by one small launch; each program
+loads it for the whole of K (T tile groups in registers, one per thread or a few) and streams RPP
+rows past it, BN at a time: per word of 8 nibbles two masks and four `dp4a` (4 byte products
+each); Q6_K's 2 high bits (read as the 16-bit half of its high word that belongs to each low
+word, so both planes load in one register layout) join their nibbles by a bit spread per word.
+Scales, mins and offsets apply once per tile group, in float32. Launched with programmatic
+dependent launch (paphos/layers/pdl.py): a program issues its first weight loads before waiting
+for the kernels that write x.
 
 `_gemv_kernel` (the other linear formats: Q2_K, Q5_*): float codes without int->float
 conversions (a quarter-rate pipe): a code masked in place at bit LO*p of a word and OR-ed into the
@@ -36,6 +38,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from paphos.layers import pdl
+from paphos.quant import x_int8
 
 if TYPE_CHECKING:
     from paphos.quant.gguf.planes import Format
@@ -119,103 +124,17 @@ if triton is not None:
             return acc
 
     @triton.jit
-    def _pack_byte(packed, byte, p, LO: tl.constexpr):
-        """Places the int8 of code position p in the word(s) the codes' bytes line up with: 4-bit
-        codes p = 2j and 2j + 1 of a word are byte j of the word masked (first) and of the word
-        shifted by 4 (second); 8-bit code p is byte p of the first."""
-        if LO == 8:
-            return packed | (byte << (8 * p))
-        else:
-            return packed | (byte << (8 * (p // 2)))
-
-    @triton.jit
-    def _quantize_x(x_ptr, t, t_ok, LO: tl.constexpr, TW: tl.constexpr):
-        """x per tile group t (32 values for 4-bit codes, 16 for Q8_0) as two int8 parts: x =
-        dx * (q1 + q2 / 254), dx = max|x| / 127, q1 = round(x / dx), q2 = round(254 * the rest)
-        (round half to even), so about 15 bits of x survive (one int8 alone would leave errors
-        near 1e-2 of a result). Packed in the codes' order (`_pack_byte`) -> (q1 words a, b,
-        q2 words a, b [T, TW] int32, dx [T], sum of the represented x [T])."""
-        PER: tl.constexpr = 32 // LO
-        w = tl.arange(0, TW)
-        xk = (t * (TW * PER))[:, None] + w[None, :]  # [T, TW]: value index of each word's code 0
-        xm = t_ok[:, None]
-        amax = tl.zeros(xk.shape, dtype=tl.float32)
-        for p in tl.static_range(PER):
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + xk + p * TW, mask=xm, other=0).to(tl.float32)))
-        amax_t = tl.max(amax, axis=1)
-        inv = tl.where(amax_t > 0, 127.0 / amax_t, 0.0)[:, None]
-        zero = tl.zeros(xk.shape, dtype=tl.int32)
-        q1a, q1b, q2a, q2b = zero, zero, zero, zero
-        sum1 = tl.zeros(xk.shape, dtype=tl.float32)
-        sum2 = tl.zeros(xk.shape, dtype=tl.float32)
-        for p in tl.static_range(PER):
-            v = tl.load(x_ptr + xk + p * TW, mask=xm, other=0).to(tl.float32) * inv
-            # v + 1.5 * 2**23: the float's low byte is round(v), two's complement
-            f1 = v + 12582912.0
-            r1 = f1 - 12582912.0
-            f2 = (v - r1) * 254.0 + 12582912.0
-            sum1 += r1
-            sum2 += f2 - 12582912.0
-            b1 = f1.to(tl.int32, bitcast=True) & 0xFF
-            b2 = f2.to(tl.int32, bitcast=True) & 0xFF
-            if LO == 8 or p % 2 == 0:
-                q1a = _pack_byte(q1a, b1, p, LO)
-                q2a = _pack_byte(q2a, b2, p, LO)
-            else:
-                q1b = _pack_byte(q1b, b1, p, LO)
-                q2b = _pack_byte(q2b, b2, p, LO)
-        dx = amax_t * (1.0 / 127.0)
-        xsum = (tl.sum(sum1, axis=1) + tl.sum(sum2, axis=1) * (1.0 / 254.0)) * dx
-        return q1a, q1b, q2a, q2b, dx, xsum
-
-    @triton.jit
-    def _quantize_x_kernel(x_ptr, q_ptr, f_ptr, n_groups, LO: tl.constexpr, TW: tl.constexpr, TB: tl.constexpr):
-        """TB tile groups of x per program (`_quantize_x`) -> int8 part words q_ptr [4, n_groups,
-        TW] (q1 a, q1 b, q2 a, q2 b; the b words only for 4-bit codes) and f_ptr [2, n_groups]
-        (dx, sum of the represented x)."""
-        t = tl.program_id(0) * TB + tl.arange(0, TB)
-        t_ok = t < n_groups
-        q1a, q1b, q2a, q2b, dx, xsum = _quantize_x(x_ptr, t, t_ok, LO, TW)
-        at = t[:, None] * TW + tl.arange(0, TW)[None, :]
-        m = t_ok[:, None]
-        plane = n_groups * TW
-        tl.store(q_ptr + at, q1a, mask=m)
-        tl.store(q_ptr + 2 * plane + at, q2a, mask=m)
-        if LO != 8:
-            tl.store(q_ptr + plane + at, q1b, mask=m)
-            tl.store(q_ptr + 3 * plane + at, q2b, mask=m)
-        tl.store(f_ptr + t, dx, mask=t_ok)
-        tl.store(f_ptr + n_groups + t, xsum, mask=t_ok)
-
-    @triton.jit
-    def _quantized_x_loads(q_ptr, f_ptr, t, t_ok, n_groups, LO: tl.constexpr, TW: tl.constexpr):
-        """`_quantize_x_kernel`'s output for tile groups t, in `_quantize_x`'s layout (one 16-byte
-        load per part and tile group); zeros past K, as `_quantize_x` gives there."""
-        at = t[:, None] * TW + tl.arange(0, TW)[None, :]
-        m = t_ok[:, None]
-        plane = n_groups * TW
-        q1a = tl.load(q_ptr + at, mask=m, other=0)
-        q2a = tl.load(q_ptr + 2 * plane + at, mask=m, other=0)
-        q1b, q2b = q1a, q2a  # 8-bit codes use the a words alone
-        if LO != 8:
-            q1b = tl.load(q_ptr + plane + at, mask=m, other=0)
-            q2b = tl.load(q_ptr + 3 * plane + at, mask=m, other=0)
-        dx = tl.load(f_ptr + t, mask=t_ok, other=0.0)
-        xsum = tl.load(f_ptr + n_groups + t, mask=t_ok, other=0.0)
-        return q1a, q1b, q2a, q2b, dx, xsum
-
-    @triton.jit
-    def _code_bytes(lo, hi, LO: tl.constexpr, HI: tl.constexpr, TW: tl.constexpr):
-        """Low words [BN, T, TW] (and Q6_K's high word per tile group [BN, T, 1]) -> the codes as
-        bytes in the order `_pack_byte` packs x: (a, b) int32 words. 4-bit codes p = 2j and 2j + 1
-        of a word are byte j of a and b; the 2 high bits of code p (bits 16 w + 2 p of the high
-        word, tile order) go to bits 4-5 of the same byte; 8-bit codes are their word (a)."""
+    def _code_bytes(lo, hi, LO: tl.constexpr, HI: tl.constexpr):
+        """Low words [BN, T, TW] (and Q6_K's 16 high bits of each, int16) -> the codes as bytes in
+        the order `_pack_byte` packs x: (a, b) int32 words. 4-bit codes p = 2j and 2j + 1 of a word
+        are byte j of a and b; the 2 high bits of code p (bits 2 p of the word's high bits) go to
+        bits 4-5 of the same byte; 8-bit codes are their word (a)."""
         if LO == 8:
             return lo, lo
         a = lo & 0x0F0F0F0F
         b = (lo >> 4) & 0x0F0F0F0F
         if HI == 2:
-            h = (hi >> (tl.arange(0, TW) * 16)[None, None, :]) & 0xFFFF  # bit pairs of codes 0..7
+            h = hi.to(tl.int32) & 0xFFFF  # bit pairs of codes 0..7
             h = (h | (h << 8)) & 0x00FF00FF
             h = (h | (h << 4)) & 0x0F0F0F0F  # codes 2j, 2j + 1's pairs: low nibble of byte j
             a |= (h << 4) & 0x30303030
@@ -300,9 +219,11 @@ if triton is not None:
         stride_g, stride_s, hi_tile_stride,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, SCMIN_NIB: tl.constexpr, TW: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        EVEN_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Float codes: one program per BN rows, K in chunks of KC values."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
         TV: tl.constexpr = TW * 32 // LO  # values per tile group
         T: tl.constexpr = KC // TV  # tile groups per K chunk
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -332,22 +253,20 @@ if triton is not None:
     @triton.jit
     def _int8_block_loads(
         lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows, N, t, t_ok, g, stride_lo, stride_hi, stride_g,
-        stride_s, hi_tile_stride,
+        stride_s,
         HI: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, TW: tl.constexpr,
     ):  # fmt: skip
-        """Every plane a block of rows reads: low words [BN, T, TW], the high word per tile group
-        (Q6_K) and the scale planes [BN, T]."""
+        """Every plane a block of rows reads: low words [BN, T, TW], Q6_K's high bits of each low
+        word [BN, T, TW] (the 16-bit halves of its high word per tile group: `gemv` passes that
+        plane as int16, so both load in one layout) and the scale planes [BN, T]."""
         r = rows.to(tl.int64)[:, None]
         m2 = (rows < N)[:, None] & t_ok[None, :]
         m3 = m2[:, :, None]
-        w = tl.arange(0, TW)
-        lo = tl.load(lo_ptr + r[:, :, None] * stride_lo + (t * TW)[None, :, None] + w[None, None, :], mask=m3,
-                     other=0)  # fmt: skip
+        at = (t * TW)[None, :, None] + tl.arange(0, TW)[None, None, :]
+        lo = tl.load(lo_ptr + r[:, :, None] * stride_lo + at, mask=m3, other=0)
         hi = lo
         if HI > 0:
-            # (a runtime stride of 1: see _tile_dots)
-            hi = tl.load(hi_ptr + r[:, :, None] * stride_hi + (t * hi_tile_stride)[None, :, None], mask=m3,
-                         other=0)  # fmt: skip
+            hi = tl.load(hi_ptr + r[:, :, None] * stride_hi + at, mask=m3, other=0)
         sc, sd, mn, smin = scale_loads(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s, SG, SCALE,
                                        MINK, False)  # fmt: skip
         return lo, hi, sc, sd, mn, smin
@@ -359,7 +278,7 @@ if triton is not None:
         TW: tl.constexpr, ASM: tl.constexpr,
     ):  # fmt: skip
         """A block of rows' outputs from its planes (`_int8_block_loads`) and the quantized x."""
-        ca, cb = _code_bytes(lo, hi, LO, HI, TW)
+        ca, cb = _code_bytes(lo, hi, LO, HI)
         dot = (_int8_dot(ca, cb, q1a, q1b, LO, ASM).to(tl.float32) * dx[None, :]
                + _int8_dot(ca, cb, q2a, q2b, LO, ASM).to(tl.float32) * dr[None, :])  # fmt: skip
         if OFF > 0:
@@ -371,17 +290,18 @@ if triton is not None:
     @triton.jit
     def _gemv_int8_kernel(
         q_ptr, f_ptr, out_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, N, K, stride_lo, stride_hi, stride_g,
-        stride_s, hi_tile_stride,
+        stride_s,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, TW: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, RPP: tl.constexpr,
-        ASM: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Integer dot products (`integer_dots` formats): one program per RPP rows and the whole
-        of K (T tile groups, a power of two >= K / TV); x comes quantized (`quantize_x`, once per
-        GEMV call and code layout), then BN rows at a time stream past it. Software-pipelined:
+        of K (T tile groups, a power of two >= K / TV); x comes quantized (x_int8.py, once per step
+        and code layout), then BN rows at a time stream past it. Software-pipelined:
         every load of the next row block is issued before this block's row sums (whose cross-warp
         reduction is a barrier the compiler does not move loads across), and the first block's
         before x's, so a program keeps a block's reads in flight while it computes."""
+        pdl.release(PDL)
         TV: tl.constexpr = TW * 32 // LO
         t = tl.arange(0, T)
         t_ok = t < K // TV
@@ -389,15 +309,16 @@ if triton is not None:
         rows = tl.program_id(0) * RPP + tl.arange(0, BN)
         lo, hi, sc, sd, mn, smin = _int8_block_loads(
             lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows, N, t, t_ok, g, stride_lo, stride_hi, stride_g,
-            stride_s, hi_tile_stride, HI, SG, SCALE, MINK, TW,
+            stride_s, HI, SG, SCALE, MINK, TW,
         )  # fmt: skip
-        q1a, q1b, q2a, q2b, dx, xsum = _quantized_x_loads(q_ptr, f_ptr, t, t_ok, K // TV, LO, TW)
+        pdl.wait(PDL)  # x comes from the kernels before; the weights' first loads are in flight
+        q1a, q1b, q2a, q2b, dx, xsum = x_int8.load_groups(q_ptr, f_ptr, t, t_ok, K // TV, LO, TW)
         dr = dx * (1.0 / 254.0)
         for rb in tl.static_range(0, RPP, BN):
             if rb + BN < RPP:
                 lo_n, hi_n, sc_n, sd_n, mn_n, smin_n = _int8_block_loads(
                     lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows + BN, N, t, t_ok, g, stride_lo,
-                    stride_hi, stride_g, stride_s, hi_tile_stride, HI, SG, SCALE, MINK, TW,
+                    stride_hi, stride_g, stride_s, HI, SG, SCALE, MINK, TW,
                 )  # fmt: skip
             _int8_block_out(lo, hi, sc, sd, mn, smin, q1a, q1b, q2a, q2b, dx, dr, xsum, rows, N, out_ptr, LO, HI,
                             OFF, SCALE, MINK, TW, ASM)  # fmt: skip
@@ -417,41 +338,27 @@ def integer_dots(fmt: Format) -> bool:
     )
 
 
+def int8_layout(fmt: Format) -> x_int8.Int8Layout:
+    """The layout in which the integer-dot GEMV of `fmt` reads x."""
+    return x_int8.Int8Layout(fmt.lo, fmt.tile_words)
+
+
 def uses_integer_dots(fmt: Format, int8_x: bool | None = None) -> bool:
     """Whether `gemv` runs the integer-dot kernel for this format (`int8_x` None: where it can)."""
     return integer_dots(fmt) if int8_x is None else int8_x and integer_dots(fmt)
 
 
-QUANTIZE_GROUPS = 32  # tile groups per program of `_quantize_x_kernel` (one per lane of one warp)
-
-
-def quantize_x(x: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [K] -> its two int8 parts per tile group for the integer-dot GEMV of `fmt`'s code layout
-    (words [4, K / TV, TW] int32, and dx, sum [2, K / TV] float32): one launch, shared by every
-    weight of that layout that multiplies this x (`triton_gguf.gemv_matmul`). Quantizing once
-    per call instead of once per program (each program covers the whole of K) takes that work
-    out of the streaming kernels: on the H200 the Q4_K down projection went from 17.5 to 15.9 us
-    and the Q6_K head from 170.5 to 141.5, this launch included (benchmarks/README.md)."""
-    n_groups = x.numel() // fmt.tile_values
-    q = torch.empty(4, n_groups, fmt.tile_words, dtype=torch.int32, device=x.device)
-    f = torch.empty(2, n_groups, dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(triton.cdiv(n_groups, QUANTIZE_GROUPS),)](
-        x, q, f, n_groups, LO=fmt.lo, TW=fmt.tile_words, TB=QUANTIZE_GROUPS, num_warps=1,
-    )  # fmt: skip
-    return q, f
-
-
 def gemv(
     x: torch.Tensor, seg: Segment, out: torch.Tensor, block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = DEFAULT_WARPS, chunk: int | None = None, int8_x: bool | None = None,
-    rows_per_program: int | None = None, x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows_per_program: int | None = None, x_quantized: x_int8.Int8X | None = None,
 ) -> None:  # fmt: skip
     """out [seg.rows] (x's dtype) = the segment's weight times x [K].
 
     Float codes (`int8_x` False): the K chunk defaults to one tile group per thread (32 *
     num_warps tile groups): fewer leave warps splitting rows (x no longer shared in registers),
     more raise register use. Integer dots (`int8_x`, the default where `integer_dots` allows): x
-    quantized by `quantize_x` (`x_quantized`, or here), `rows_per_program` rows (default 4 *
+    quantized by `x_int8.quantize` (`x_quantized`, or here), `rows_per_program` rows (default 4 *
     block_n) per program."""
     fmt = seg.fmt
     k = seg.k
@@ -460,12 +367,15 @@ def gemv(
     sd, mn, smin = planes.get("sd", lo), planes.get("mn", lo), planes.get("smin", lo)
     if uses_integer_dots(fmt, int8_x):
         rpp = rows_per_program or 4 * block_n
-        q, f = x_quantized or quantize_x(x, fmt)
+        xq = x_quantized or x_int8.quantize(x, int8_layout(fmt))
+        # the high bits of each low word (32 / LO codes x HI bits: 16 for Q6_K) as one element
+        hi = planes["hi"].view(torch.int16) if fmt.hi else lo
         _gemv_int8_kernel[(triton.cdiv(seg.rows, rpp),)](
-            q, f, out, lo, planes.get("hi", lo), planes["sc"], sd, mn, smin, seg.rows, k, k * fmt.lo // 32,
-            k * fmt.hi // 32, k // fmt.sg, k // 256, 1,
+            xq.words, xq.scales, out, lo, hi, planes["sc"], sd, mn, smin, seg.rows, k, k * fmt.lo // 32, k * fmt.hi // 16,
+            k // fmt.sg, k // 256,
             LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, TW=fmt.tile_words,
             BN=block_n, T=1 << (k // fmt.tile_values - 1).bit_length(), RPP=rpp, ASM=x.is_cuda, num_warps=num_warps,
+            **pdl.options(x),
         )  # fmt: skip
         return
     tv = fmt.tile_values
@@ -476,5 +386,5 @@ def gemv(
         k * fmt.hi // 32, k // fmt.sg, k // 256, 1,
         LO=fmt.lo, HI=fmt.hi, OFF=fmt.off + (128 if fmt.lo == 8 else 0), SG=fmt.sg, SCALE=fmt.scale,
         MINK=fmt.mink, SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=block_n, KC=kc, EVEN_K=k % kc == 0,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl.options(x),
     )  # fmt: skip

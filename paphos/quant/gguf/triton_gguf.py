@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.quant import x_int8
 from paphos.quant.gguf import triton_gemv
 from paphos.quant.gguf.dequant import IQ4_KVALUES
 from paphos.quant.gguf.planes import FORMATS, PLANES, Format, repack, type_size
@@ -342,17 +343,17 @@ GEMV_FLOAT_DEFAULTS: dict[str, GemvConfig] = {
 
 
 def default_gemv_config(type_name: str, rows: int, k: int) -> GemvConfig:
-    """By rule where the benchmark's sweep has not tuned the shape, from the H200 sweep of the
-    integer GEMV with x quantized once per call (Llama-3-8B shapes, benchmarks/README.md): one
-    row per step and four per program (many short programs) came within 7 % of the best
-    configuration on every shape but two, where 8 warps and 8 rows per program win: 8-bit codes
-    past 256 tile groups of K (the Q8_0 down projection: 19.5 us against 21.3) and a high-bit
-    plane past 65536 rows (the Q6_K head: 141.5 against 154.4). Blocks of 2 rows past 256 tile
-    groups collapse there (the Q4_K down projection: 33 to 228 us against 15.9)."""
+    """By rule where the benchmark's sweep has not tuned the shape, from the H200 sweeps of the
+    integer GEMV (Llama-3-8B shapes, benchmarks/README.md): one row per step and four per
+    program (many short programs) won or came within 7 % everywhere but where a row holds more
+    than 256 tile groups of x and its codes take more registers than 4 bits (Q8_0 and Q6_K down
+    projections): there 8 warps and 8 rows per program halve each thread's share of x (Q8_0
+    19.4 us against 21.3, Q6_K 20.9 against 23.3). Blocks of 2 rows past 256 tile groups
+    collapse (the Q4_K down projection: 34 to 233 us against 15.2)."""
     fmt = FORMATS[type_name]
     if not triton_gemv.integer_dots(fmt):
         return GEMV_FLOAT_DEFAULTS.get(type_name, GemvConfig(1, 4))
-    if (fmt.lo == 8 and k // fmt.tile_values > 256) or (fmt.hi and rows > 65536):
+    if k // fmt.tile_values > 256 and (fmt.lo == 8 or fmt.hi):
         return GemvConfig(1, 8, rows_per_program=8)
     return GemvConfig(1, 4, rows_per_program=4)
 
@@ -367,22 +368,25 @@ def matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tens
     return dequant_matmul(x, segments, n_total)
 
 
+def gemv_config(seg: Segment) -> GemvConfig:
+    return GEMV_CONFIGS.get((seg.type_name, seg.rows, seg.k)) or default_gemv_config(seg.type_name, seg.rows, seg.k)
+
+
 def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
     """x [1, K] -> [1, n_total]: triton_gemv for every segment of a format it supports, the fused
-    kernel for the others (IQ4 look-up tables, Q3_K)."""
+    kernel for the others (IQ4 look-up tables, Q3_K). x's int8 parts come from its producer where
+    it attached them (x_int8.attached), else one launch per code layout quantizes them here."""
     out = torch.empty(1, n_total, dtype=x.dtype, device=x.device)
-    quantized: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # x per code layout
+    quantized: dict[x_int8.Int8Layout, x_int8.Int8X] = {}
     for seg in segments:
         dst = out[0, seg.row_start : seg.row_start + seg.rows]
         if triton_gemv.supports(seg.fmt):
-            cfg = GEMV_CONFIGS.get((seg.type_name, seg.rows, seg.k)) or default_gemv_config(
-                seg.type_name, seg.rows, seg.k
-            )
+            cfg = gemv_config(seg)
             xq = None
             if triton_gemv.uses_integer_dots(seg.fmt, cfg.int8_x):
-                layout = (seg.fmt.lo, seg.fmt.tile_words)
+                layout = triton_gemv.int8_layout(seg.fmt)
                 if layout not in quantized:
-                    quantized[layout] = triton_gemv.quantize_x(x[0], seg.fmt)
+                    quantized[layout] = x_int8.attached(x, layout) or x_int8.quantize(x, layout)
                 xq = quantized[layout]
             triton_gemv.gemv(
                 x[0], seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x, cfg.rows_per_program, xq
@@ -390,6 +394,15 @@ def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch
         else:
             dst.copy_(fused_matmul(x, [seg], seg.rows)[0])
     return out
+
+
+def int8_input_layout(segments: list[Segment]) -> x_int8.Int8Layout | None:
+    """The code layout in which the batch-1 GEMV of these segments reads most of its weight bytes
+    through integer dots (the layout worth having x's producer write), or None."""
+    int8 = [s for s in segments if triton_gemv.supports(s.fmt) and triton_gemv.uses_integer_dots(s.fmt, gemv_config(s).int8_x)]
+    if not int8:
+        return None
+    return triton_gemv.int8_layout(max(int8, key=lambda s: s.n_bytes()).fmt)
 
 
 def fused_matmul(
@@ -579,6 +592,10 @@ class TritonGGUFKernel:
         if self.fallback is not None:
             return self.fallback.apply(layer, x)
         return matmul(x.contiguous(), self.segments, self.n_total)
+
+    def int8_input_layout(self) -> x_int8.Int8Layout | None:
+        """Where the batch-1 GEMV reads x as int8 parts: the layout its producer should write."""
+        return int8_input_layout(self.segments) if self.fallback is None and self.matmul else None
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a one-segment weight (an embedding), dequantized: [*ids.shape, K]."""
