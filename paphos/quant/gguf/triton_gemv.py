@@ -126,7 +126,7 @@ if triton is not None:
     @triton.jit
     def _code_bytes(lo, hi, LO: tl.constexpr, HI: tl.constexpr):
         """Low words [BN, T, TW] (and Q6_K's 16 high bits of each, int16) -> the codes as bytes in
-        the order `_pack_byte` packs x: (a, b) int32 words. 4-bit codes p = 2j and 2j + 1 of a word
+        the order x_int8's `_pack_byte` packs x: (a, b) int32 words. 4-bit codes p = 2j and 2j + 1 of a word
         are byte j of a and b; the 2 high bits of code p (bits 2 p of the word's high bits) go to
         bits 4-5 of the same byte; 8-bit codes are their word (a)."""
         if LO == 8:
@@ -275,7 +275,7 @@ if triton is not None:
     def _int8_block_out(
         lo, hi, sc, sd, mn, smin, q1a, q1b, q2a, q2b, dx, dr, xsum, rows, N, out_ptr,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr,
-        TW: tl.constexpr, ASM: tl.constexpr,
+        ASM: tl.constexpr,
     ):  # fmt: skip
         """A block of rows' outputs from its planes (`_int8_block_loads`) and the quantized x."""
         ca, cb = _code_bytes(lo, hi, LO, HI)
@@ -321,7 +321,7 @@ if triton is not None:
                     stride_hi, stride_g, stride_s, HI, SG, SCALE, MINK, TW,
                 )  # fmt: skip
             _int8_block_out(lo, hi, sc, sd, mn, smin, q1a, q1b, q2a, q2b, dx, dr, xsum, rows, N, out_ptr, LO, HI,
-                            OFF, SCALE, MINK, TW, ASM)  # fmt: skip
+                            OFF, SCALE, MINK, ASM)  # fmt: skip
             if rb + BN < RPP:
                 lo, hi, sc, sd, mn, smin = lo_n, hi_n, sc_n, sd_n, mn_n, smin_n
                 rows += BN
