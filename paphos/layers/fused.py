@@ -162,9 +162,9 @@ def silu_and_mul(x: torch.Tensor, int8_layout: x_int8.Int8Layout | None = None) 
         x = x.contiguous()
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(cols))
+    # A program's columns are whole tile groups (`block` is a power of two >= the group), the
+    # last program's groups past `cols` are masked.
     parts = _int8_output(out, int8_layout)
-    if parts is not None and (cols % block or block % parts.layout.tile_values):
-        parts = None  # a program must cover whole tile groups
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
             x, out, *_int8_pointers(out, parts), cols, x.stride(0), out.stride(0), BLOCK=block,

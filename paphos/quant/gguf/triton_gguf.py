@@ -383,8 +383,8 @@ def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch
         if triton_gemv.supports(seg.fmt):
             cfg = gemv_config(seg)
             xq = None
-            if triton_gemv.uses_integer_dots(seg.fmt, cfg.int8_x):
-                layout = triton_gemv.int8_layout(seg.fmt)
+            layout = _gemv_int8_layout(seg)
+            if layout is not None:
                 if layout not in quantized:
                     quantized[layout] = x_int8.attached(x, layout) or x_int8.quantize(x, layout)
                 xq = quantized[layout]
@@ -396,13 +396,18 @@ def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch
     return out
 
 
+def _gemv_int8_layout(seg: Segment) -> x_int8.Int8Layout | None:
+    """The layout in which the segment's batch-1 GEMV reads x as int8 parts (None: float x)."""
+    if triton_gemv.supports(seg.fmt) and triton_gemv.uses_integer_dots(seg.fmt, gemv_config(seg).int8_x):
+        return triton_gemv.int8_layout(seg.fmt)
+    return None
+
+
 def int8_input_layout(segments: list[Segment]) -> x_int8.Int8Layout | None:
     """The code layout in which the batch-1 GEMV of these segments reads most of its weight bytes
     through integer dots (the layout worth having x's producer write), or None."""
-    int8 = [s for s in segments if triton_gemv.supports(s.fmt) and triton_gemv.uses_integer_dots(s.fmt, gemv_config(s).int8_x)]
-    if not int8:
-        return None
-    return triton_gemv.int8_layout(max(int8, key=lambda s: s.n_bytes()).fmt)
+    int8 = [s for s in segments if _gemv_int8_layout(s) is not None]
+    return _gemv_int8_layout(max(int8, key=lambda s: s.n_bytes())) if int8 else None
 
 
 def fused_matmul(
