@@ -45,9 +45,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
 from bench_gpu import kernel_profile, print_profile  # noqa: E402
 
+from paphos.core.protocol import SamplingInputs  # noqa: E402
 from paphos.sample import order as st  # noqa: E402
 from paphos.sample.fast import dense_tail, tail_kernels  # noqa: E402
-from paphos.sample.metadata import SamplingMetadata  # noqa: E402
+from paphos.sample.metadata import SamplingMetadata, sampler_row  # noqa: E402
 from paphos.sample.ops.min_p import apply_min_p  # noqa: E402
 from paphos.sample.ops.top_k_top_p import apply_top_k_top_p  # noqa: E402
 from paphos.sample.sampler import NUM_DRAWS, Sampler  # noqa: E402
@@ -63,16 +64,18 @@ EVERY = dict(
 )
 
 
-def case_params(case: str, batch: int) -> list[SamplingParams]:
+EVERY_INPUTS = SamplingInputs(dry_breaker_ids=(10, 11, 12, 13))  # case (c)'s DRY sequence breakers
+
+
+def case_params(case: str, batch: int) -> tuple[list[SamplingParams], list[SamplingInputs]]:
+    """The case's params and sampling inputs, one of each per row."""
+    inputs = [EVERY_INPUTS if case == "c" else SamplingInputs()] * batch
     if case == "a":
-        return [SamplingParams(temperature=0) for _ in range(batch)]
+        return [SamplingParams(temperature=0) for _ in range(batch)], inputs
     if case == "b":
-        return [SamplingParams(temperature=0.8, top_p=0.95, min_p=0.05) for _ in range(batch)]
+        return [SamplingParams(temperature=0.8, top_p=0.95, min_p=0.05) for _ in range(batch)], inputs
     if case == "c":
-        params = [SamplingParams(**EVERY) for _ in range(batch)]
-        for p in params:
-            p.dry_breaker_ids = [10, 11, 12, 13]
-        return params
+        return [SamplingParams(**EVERY) for _ in range(batch)], inputs
     rng = random.Random(0)
     params = []
     for _ in range(batch):
@@ -80,7 +83,7 @@ def case_params(case: str, batch: int) -> list[SamplingParams]:
         rng.shuffle(order)
         params.append(SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05, top_a=0.05,
                                      xtc_probability=0.5, sampler_priority=order))
-    return params
+    return params, inputs
 
 
 def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, iters: int) -> float:
@@ -169,8 +172,9 @@ def _compile_tail(launch: tail_kernels.TailLaunch, batch: int, vocab: int) -> No
     compiled into Triton's disk cache (rows 1 and rows > 1 compile apart)."""
     device = torch.device("cuda")
     logits = torch.randn(batch, vocab, device=device)
-    md = SamplingMetadata.build(case_params("b", batch), list(range(batch)), [[] for _ in range(batch)], [0] * batch,
-                                0, vocab, device)  # fmt: skip
+    params, inputs = case_params("b", batch)
+    md = SamplingMetadata.build(params, list(range(batch)), [[] for _ in range(batch)], [0] * batch, 0, vocab, device,
+                                sampling_inputs=inputs)  # fmt: skip
     dense_tail.sample(logits, logits, md, NUM_DRAWS, launch=launch)
     torch.cuda.synchronize()
 
@@ -193,13 +197,15 @@ def run_cell(case: str, batch: int, vocab: int, history: int, device: torch.devi
              tail_configs: list[tail_kernels.TailLaunch] | None = None) -> dict:
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
     logits = (torch.randn(batch, vocab, generator=gen) * 3).to(device)
-    params = case_params(case, batch)
+    params, inputs = case_params(case, batch)
+    rows = [sampler_row(p) for p in params]  # kept per request by the runner, not rebuilt each step
     rng = random.Random(1)
     tokens = [[rng.randrange(vocab) for _ in range(history)] for _ in range(batch)]
     num_prompt = [history // 2] * batch
 
     def build() -> SamplingMetadata:
-        return SamplingMetadata.build(params, list(range(batch)), tokens, num_prompt, 0, vocab, device)
+        return SamplingMetadata.build(params, list(range(batch)), tokens, num_prompt, 0, vocab, device,
+                                      sampler_rows=rows, sampling_inputs=inputs)
 
     metadata = build()
     sampler = Sampler()

@@ -4,4 +4,6 @@ import sys
 
 from paphos.cli import main
 
-sys.exit(main())
+# Guarded: the engine core's process (multiprocessing spawn) imports this module again.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -196,7 +195,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
          help="launch the next decode step before the current one is read back (default: on where decode "
               "steps replay CUDA graphs)")
     _add(sched, "--max-num-batched-tokens", type=int, default=None, metavar="N",
-         help="tokens per step (default 2048 with chunked prefill, else max(max-model-len, 2048))")
+         help="tokens per step (default with chunked prefill: 8192 on a GPU, 2048 on the CPU; "
+              "without: max(max-model-len, 2048))")
     _add(sched, "--enable-chunked-prefill", type=parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
          help="split long prompts over several steps (default true)")
 
@@ -281,8 +281,8 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         served_names = served_names or (DEFAULT_SERVED_NAME,)
     max_model_len = parse_max_model_len(args.max_model_len)
     batched = args.max_num_batched_tokens
-    if batched is None:
-        batched = 2048 if args.enable_chunked_prefill else max(max_model_len or 2048, 2048)
+    if batched is None and not args.enable_chunked_prefill:
+        batched = max(max_model_len or 2048, 2048)
     model_config = ModelConfig(
         model=model, tokenizer=args.tokenizer, served_model_name=served_names,
         dtype=args.dtype, max_model_len=max_model_len, load_format=args.load_format, seed=args.seed,
@@ -321,48 +321,54 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+# After the engine core dies, /health answers 503 this long before the server exits, so health
+# checks and clients see why instead of a refused connection.
+ENGINE_DEATH_GRACE_S = 3.0
+
+
 def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Serves until SIGINT / SIGTERM (exit 0), a model that fails to load or an engine core that
+    dies (exit 1). uvicorn owns this process's main thread and signals; the engine core runs in a
+    process of its own, which the app's shutdown stops."""
+    import asyncio
+
     import uvicorn
 
     from paphos.engine.async_engine import AsyncEngine
     from paphos.server.app import build_app
 
-    engine = AsyncEngine(engine_config)
-    failed: list[BaseException] = []
+    failures: list[str] = []
     server: uvicorn.Server | None = None
 
-    def on_failure(exc: BaseException) -> None:
-        # A model that cannot load leaves nothing to serve: stop with a non-zero status.
-        failed.append(exc)
+    def on_load_failure(exc: BaseException) -> None:
+        failures.append(f"the model failed to load: {exc}")
         if server is not None:
             server.should_exit = True
 
-    app = build_app(engine, server_config, engine_config.model.served_names, on_engine_failure=on_failure)
+    def on_dead(exc: BaseException) -> None:
+        failures.append(f"the engine core died: {exc}")
+        if server is not None:
+            asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
+
+    engine = AsyncEngine(engine_config, on_dead=on_dead)
+    app = build_app(engine, server_config, engine_config.model.served_names, on_engine_failure=on_load_failure)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.uvicorn_log_level,
         ssl_keyfile=server_config.ssl_keyfile, ssl_certfile=server_config.ssl_certfile,
         ssl_ca_certs=server_config.ssl_ca_certs, ssl_cert_reqs=server_config.ssl_cert_reqs,
         root_path=server_config.root_path,
-        # Open SSE streams would otherwise hold Ctrl-C until they finish.
+        # Open SSE streams would otherwise hold Ctrl-C / SIGTERM until they finish.
         timeout_graceful_shutdown=5,
     ))
-    # uvicorn serves from a thread of its own; the step loop keeps the main thread, where torch's
-    # OpenMP kernels run fastest (see AsyncEngine.run_step_loop).
-    server_thread = threading.Thread(target=server.run, name="paphos-http")
+    # uvicorn handles SIGINT / SIGTERM itself (graceful shutdown) and re-raises the signal once it
+    # has stopped; the handlers in force then turn that into a clean exit.
     signal.signal(signal.SIGTERM, _interrupt)
-    server_thread.start()
     try:
-        engine.run_step_loop()
-        # After an engine failure the server stays up answering 503 until it is stopped.
-        while server_thread.is_alive():
-            server_thread.join(0.5)
+        server.run()
     except KeyboardInterrupt:
         pass
-    finally:
-        server.should_exit = True
-        server_thread.join()
-    if failed:
-        print(f"paphos: error: the model failed to load: {failed[0]}", file=sys.stderr)
+    if failures:
+        print(f"paphos: error: {failures[0]}", file=sys.stderr)
         return 1
     return 0
 

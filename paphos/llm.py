@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from paphos.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from paphos.engine.llm_engine import LLMEngine
-from paphos.outputs import CompletionOutput, RequestOutput
+from paphos.outputs import RequestOutput, accumulate
 from paphos.sampling_params import SamplingParams
 from paphos.tokenizer import Tokenizer
 
@@ -73,29 +73,6 @@ class LLM:
         results = {rid: None for rid in order}
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
-                results[delta.request_id] = _merge(results[delta.request_id], delta)
+                results[delta.request_id] = accumulate(results[delta.request_id], delta)
         return [results[rid] for rid in order]
 
-
-def _merge(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    if total is None:
-        total = RequestOutput(delta.request_id, delta.prompt_token_ids, [], False)
-    by_index = {c.index: c for c in total.outputs}
-    for choice in delta.outputs:
-        acc = by_index.get(choice.index)
-        if acc is None:
-            acc = CompletionOutput(choice.index, "", [], [] if choice.logprobs is not None else None, 0.0, 0)
-            by_index[choice.index] = acc
-        acc.text += choice.text
-        acc.token_ids.extend(choice.token_ids)
-        if choice.logprobs is not None and acc.logprobs is not None:
-            acc.logprobs.extend(choice.logprobs)
-        acc.cumulative_logprob = choice.cumulative_logprob
-        acc.num_generated_tokens = choice.num_generated_tokens
-        acc.finish_reason, acc.stop_reason = choice.finish_reason, choice.stop_reason
-    total.outputs = [by_index[i] for i in sorted(by_index)]
-    total.finished = delta.finished
-    total.prompt_logprobs = delta.prompt_logprobs or total.prompt_logprobs
-    total.num_cached_tokens = delta.num_cached_tokens
-    total.error = delta.error or total.error
-    return total

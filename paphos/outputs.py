@@ -1,32 +1,16 @@
-"""Records leaving the engine.
+"""Records leaving the engine for its users.
 
-`EngineOutput` is what the scheduler reports per sequence per step (token ids, no text).
-`RequestOutput` is what the output processor makes of it for the API layer: one record per client
-request, carrying for each choice that changed the *delta* since its previous record (committed
-text only: text that might still turn into a stop string is held back).
+`RequestOutput` is what the output processor makes of the engine core's token ids for the API
+layer and `paphos.LLM`: one record per client request, carrying for each choice that changed the
+*delta* since its previous record (committed text only: text that might still turn into a stop
+string is held back).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from paphos.core.scheduler_output import TokenLogprobs
-
-
-@dataclass
-class EngineOutput:
-    req_id: str
-    new_token_ids: list[int]
-    new_sampled_logprobs: list[float]
-    new_logprobs: list[TokenLogprobs] | None = None
-    new_prompt_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+from paphos.core.protocol import TokenLogprobs
 
 
 @dataclass
@@ -58,4 +42,31 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # A failure confined to this request (the engine carries on with the others).
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    # When the engine first scheduled the request (time.monotonic()), once known.
+    first_scheduled_time: float | None = None
+
+
+def accumulate(total: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """`total` (a new record when None) extended by the later `delta` of the same request."""
+    if total is None:
+        total = RequestOutput(delta.request_id, delta.prompt_token_ids, [], False)
+    by_index = {c.index: c for c in total.outputs}
+    for choice in delta.outputs:
+        acc = by_index.get(choice.index)
+        if acc is None:
+            acc = CompletionOutput(choice.index, "", [], [] if choice.logprobs is not None else None, 0.0, 0)
+            by_index[choice.index] = acc
+        acc.text += choice.text
+        acc.token_ids.extend(choice.token_ids)
+        if choice.logprobs is not None and acc.logprobs is not None:
+            acc.logprobs.extend(choice.logprobs)
+        acc.cumulative_logprob = choice.cumulative_logprob
+        acc.num_generated_tokens = choice.num_generated_tokens
+        acc.finish_reason, acc.stop_reason = choice.finish_reason, choice.stop_reason
+    total.outputs = [by_index[i] for i in sorted(by_index)]
+    total.finished = delta.finished
+    total.prompt_logprobs = delta.prompt_logprobs or total.prompt_logprobs
+    total.num_cached_tokens = delta.num_cached_tokens
+    total.error = delta.error or total.error
+    total.first_scheduled_time = total.first_scheduled_time or delta.first_scheduled_time
+    return total

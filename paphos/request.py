@@ -3,14 +3,16 @@
 The scheduler owns these objects; it is the only place request state changes. A client request
 with `n` > 1 (or `best_of`) becomes several `Request`s sharing the prompt (their prompt blocks are
 shared through the prefix cache); the output layer merges them back into one response.
+What the engine derives per request lives here, never on the client's `SamplingParams`: the
+tokenizer-derived sampler inputs, the ids that stop it, and the phrase-ban rollback state.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
+from paphos.core.protocol import SamplingInputs
 from paphos.sampling_params import SamplingParams
 
 
@@ -35,16 +37,6 @@ class RequestStatus(enum.IntEnum):
         }.get(self)
 
 
-@dataclass
-class EngineRequest:
-    """What enters the engine: plain, serializable (the engine may move to its own process)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
-
-
 class Request:
     def __init__(
         self,
@@ -53,13 +45,23 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float | None = None,
+        sampling_inputs: SamplingInputs | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.sampling_inputs = sampling_inputs or SamplingInputs()
         self.eos_token_id = eos_token_id
+        # Ids that stop it like EOS (the model's other end-of-generation ids), unless ignore_eos.
+        self.eos_token_ids = frozenset(
+            () if sampling_params.ignore_eos else (*extra_eos_token_ids, *(() if eos_token_id is None else (eos_token_id,)))
+        )
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # Phrase-ban rollbacks (Scheduler.rollback_request): output position -> ids banned there.
+        self.position_bans: dict[int, list[int]] = {}
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

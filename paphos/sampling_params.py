@@ -7,8 +7,9 @@ trusts it afterwards. Field names and defaults follow the Aphrodite contract
 too, so every API front end can pass them through. A violation raises `ParamError` naming the
 field, which the server turns into a 400 with `param` set.
 
-Fields marked engine-filled are set by the engine at admission from the tokenizer (token ids of
-DRY breakers and bad words, the compiled grammar); users leave them alone.
+It is never written to after validation: what the engine derives from it per request (token ids
+of DRY breakers and bad words, the compiled grammar, phrase-ban rollback state) lives on the
+engine's `Request` (paphos/request.py), so one params object can serve many requests.
 """
 
 from __future__ import annotations
@@ -115,14 +116,6 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    # Engine-filled: stop on these ids besides EOS (generation-config EOS ids), not user-visible.
-    extra_eos_token_ids: list[int] = field(default_factory=list)
-    # Engine-filled from the tokenizer at admission (see paphos/engine/sampling_prep.py).
-    dry_breaker_ids: list[int] = field(default_factory=list)
-    bad_words_ids: list[list[int]] = field(default_factory=list)
-    compiled_grammar: Any = field(default=None, repr=False, compare=False)
-    # Scheduler-filled on a phrase-ban rollback: output position -> token ids banned there only.
-    position_bans: dict[int, list[int]] = field(default_factory=dict)
     # Derived: the internal chain stages this request runs, in order (paphos/sample/order.py).
     order: tuple[str, ...] = field(default=(), init=False)
 

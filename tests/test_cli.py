@@ -25,7 +25,7 @@ def test_defaults():
     assert not m.enforce_eager and m.chat_template is None
     assert (c.block_size, c.enable_prefix_caching, c.gpu_memory_utilization, c.kv_cache_dtype) == (16, True, 0.92, "auto")
     assert c.cpu_kv_cache_gb == 4.0
-    assert (s.max_num_seqs, s.max_num_batched_tokens, s.enable_chunked_prefill) == (256, 2048, True)
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.enable_chunked_prefill) == (256, None, True)
 
 
 def test_serve_alias_and_model_flag():

@@ -2,8 +2,8 @@
 
 Data flow (design.md §2): the engine adds `Request`s; `schedule()` returns a `SchedulerOutput`
 for the model runner; the runner returns a `ModelRunnerOutput`; `update_from_output()` appends the
-sampled tokens, checks stops, frees finished requests' blocks and returns `EngineOutput`s for the
-detokenizer. Request state changes only here.
+sampled tokens, checks stops, frees finished requests' blocks and returns the step's
+`EngineCoreOutputs` for the output processor. Request state changes only here.
 
 There is no prefill or decode phase: each request has `num_computed_tokens` and `num_tokens`, and
 each step hands out token counts under `max_num_batched_tokens` and `max_num_seqs` so that
@@ -34,15 +34,14 @@ from collections.abc import Iterable
 from paphos.config import CacheConfig, SchedulerConfig
 from paphos.core.block_pool import KVCacheBlock
 from paphos.core.kv_cache_manager import KVCacheManager
+from paphos.core.protocol import EngineCoreOutputs, SchedulerStats, TokenLogprobs
 from paphos.core.request_queue import RequestQueue
 from paphos.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    TokenLogprobs,
 )
-from paphos.outputs import EngineOutput
 from paphos.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -77,8 +76,10 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is preempted first
         # Finished since the last schedule(): the runner drops their state.
         self._finished_req_ids: set[str] = set()
-        # Outputs of requests the scheduler finished on its own (rejected at add_request).
-        self._pending_outputs: list[EngineOutput] = []
+        # Requests the scheduler finished on its own (rejected at add_request), still to report.
+        self._rejected: list[str] = []
+        # First-admission times not reported yet (request id -> time.monotonic()).
+        self._first_scheduled: dict[str, float] = {}
         # Prompt positions whose logprobs were already reported (1..n); a request recomputed
         # after preemption scores its prompt again, and those duplicates are dropped.
         self._prompt_logprobs_sent: dict[str, int] = {}
@@ -103,12 +104,14 @@ class Scheduler:
         if reason is not None:
             logger.warning("request %s rejected: %s", request.request_id, reason)
             request.status = RequestStatus.FINISHED_ABORTED
-            self._pending_outputs.append(
-                EngineOutput(request.request_id, [], [], finish_reason=request.status.finish_reason)
-            )
+            self._rejected.append(request.request_id)
             return
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def reject(self, req_id: str) -> None:
+        """Report a request that could not be added as aborted, in the next outputs."""
+        self._rejected.append(req_id)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string found by the detokenizer) and free
@@ -124,7 +127,7 @@ class Scheduler:
         self.running = [r for r in self.running if not r.is_finished]
         self.waiting.remove(r.request_id for r in to_finish)
 
-    def rollback_request(self, req_id: str, num_output_tokens: int, banned_token_id: int) -> None:
+    def rollback_request(self, req_id: str, num_output_tokens: int, banned_token_id: int) -> bool:
         """Phrase-ban rollback (contract §4.4.12): drop the output from `num_output_tokens` on and
         ban `banned_token_id` at that output position only.
 
@@ -134,15 +137,15 @@ class Scheduler:
         as for a request resumed after preemption, so no runner-side special case exists. KV blocks
         from the one holding the last kept token on are given back (kv_cache_manager.truncate) and
         that partial block is recomputed. The per-position bans travel in
-        `sampling_params.position_bans`; bans past the new end are dropped, earlier ones are kept
-        for a later rollback to that position. Unknown or finished ids are ignored.
+        `Request.position_bans`; bans past the new end are dropped, earlier ones are kept
+        for a later rollback to that position. Unknown or finished ids are ignored (returns False).
         """
         req = self.requests.get(req_id)
         if req is None or not 0 <= num_output_tokens < req.num_output_tokens:
-            return
+            return False
         del req.output_token_ids[num_output_tokens:]
         del req.all_token_ids[req.num_prompt_tokens + num_output_tokens :]
-        bans = req.sampling_params.position_bans
+        bans = req.position_bans
         for position in [p for p in bans if p > num_output_tokens]:
             del bans[position]
         bans.setdefault(num_output_tokens, []).append(banned_token_id)
@@ -154,6 +157,7 @@ class Scheduler:
             self._resend.add(req_id)
         else:  # preempted and waiting: it holds no blocks and is recomputed on admission
             del req.block_hashes[req.num_tokens // block_size :]
+        return True
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(
@@ -161,8 +165,10 @@ class Scheduler:
             prompt_token_ids=list(req.prompt_token_ids),
             output_token_ids=list(req.output_token_ids),
             sampling_params=req.sampling_params,
+            sampling_inputs=req.sampling_inputs,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
+            position_bans={k: list(v) for k, v in req.position_bans.items()},
         )
 
     def _allocate_next_block_early(self, req: Request, num_new: int) -> list[KVCacheBlock]:
@@ -257,6 +263,7 @@ class Scheduler:
             req.num_cached_tokens = num_hit_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+                self._first_scheduled[req.request_id] = req.first_scheduled_time
             self.running.append(req)
             new_reqs.append(self._new_request_data(req))
             num_scheduled[req.request_id] = num_new
@@ -280,9 +287,13 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput | None
-    ) -> list[EngineOutput]:
+    ) -> EngineCoreOutputs:
         """Apply one executed step. `model_runner_output` may be None for an empty step."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs = EngineCoreOutputs(first_scheduled=self._first_scheduled)
+        self._first_scheduled = {}
+        for req_id in self._rejected:
+            outputs.add(req_id, [], [], RequestStatus.FINISHED_ABORTED.finish_reason)
+        self._rejected = []
         mro = model_runner_output or ModelRunnerOutput([], [], [])
         row = {req_id: j for j, req_id in enumerate(mro.req_ids)}
         any_finished = False
@@ -294,6 +305,7 @@ class Scheduler:
             req.num_computed_tokens += num_tokens
             j = row.get(req_id)
             sampled = mro.sampled_token_ids[j] if j is not None else []
+            first_tokens = req.num_output_tokens == 0
             new_tokens: list[int] = []
             status: RequestStatus | None = None
             for token in sampled:
@@ -309,22 +321,29 @@ class Scheduler:
             if not (new_tokens or status is not None or prompt_lps):
                 continue
             n = len(new_tokens)
-            logprobs = mro.logprobs.get(req_id)
-            outputs.append(
-                EngineOutput(
-                    req_id=req_id,
-                    new_token_ids=new_tokens,
-                    new_sampled_logprobs=list(mro.sampled_logprobs[j][:n]) if j is not None else [],
-                    new_logprobs=logprobs[:n] if logprobs is not None else None,
-                    new_prompt_logprobs=prompt_lps,
-                    finish_reason=status.finish_reason if status is not None else None,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens,
-                )
+            outputs.add(
+                req_id, new_tokens, mro.sampled_logprobs[j][:n] if j is not None else [],
+                status.finish_reason if status is not None else None, req.stop_reason,
             )
+            logprobs = mro.logprobs.get(req_id)
+            if logprobs is not None:
+                outputs.logprobs[req_id] = logprobs[:n]
+            if prompt_lps:
+                outputs.prompt_logprobs[req_id] = prompt_lps
+            if first_tokens and new_tokens:
+                outputs.num_cached_tokens[req_id] = req.num_cached_tokens
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        outputs.stats = self.stats()
         return outputs
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=self.kv_cache_manager.usage,
+            num_used_blocks=self.num_used_blocks, num_preemptions=self.num_preemptions_total,
+            prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
+        )
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """Stop checks for one appended token: EOS, then stop token ids, then length."""
@@ -332,10 +351,10 @@ class Scheduler:
         # The sampler masks EOS and stop ids while output < min_tokens, so the first token that
         # may stop is number min_tokens + 1; this check is the backstop for the same rule.
         if req.num_output_tokens > sp.min_tokens:
-            if not sp.ignore_eos and (token == req.eos_token_id or token in sp.extra_eos_token_ids):
+            if token in req.eos_token_ids:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
+            if token in req.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
@@ -360,7 +379,7 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished or a rejection is still to be reported."""
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._rejected)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paphos.core.protocol import SamplingInputs, TokenLogprobs
 from paphos.sampling_params import SamplingParams
 
 
@@ -23,8 +24,11 @@ class NewRequestData:
     # Output produced before a preemption (empty for a request seen for the first time).
     output_token_ids: list[int]
     sampling_params: SamplingParams
+    sampling_inputs: SamplingInputs
     block_ids: list[int]
     num_computed_tokens: int
+    # Phrase-ban rollbacks so far: output position -> token ids banned there only (a copy).
+    position_bans: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,17 +52,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one position: the chosen token's and the top-N alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass

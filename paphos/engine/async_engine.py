@@ -1,33 +1,55 @@
-"""AsyncEngine: the server's view of the engine.
+"""AsyncEngine: the API process's client of the engine core, which runs in a process of its own.
 
-The HTTP layer calls `generate()` from the event loop (uvicorn's thread); `run_step_loop()` runs
-`LLMEngine.step()` in the process's main thread and hands each RequestOutput to the asyncio queue of its request. Only plain records
-cross the boundary (request id, token ids, SamplingParams in; RequestOutput out; abort by id), so
-the loop can move to its own process later without changing callers. Closing a `generate()`
-iterator early (client gone) aborts the request, which frees its KV blocks in the next step.
+Data flow (design.md §2): a route calls `generate()` on the event loop: the `Frontend` validates
+the request (a ParamError is raised at once, before anything streams) and turns it into one
+`EngineCoreRequest` per sequence, sent to the core over ZMQ (core_process.py). A reader task
+receives the core's `EngineCoreOutputs`, one per step, runs the frontend's output processing
+(detokenization, stop strings, phrase bans), sends its follow-ups back to the core and puts each
+RequestOutput on its request's asyncio queue; when the HTTP side lags, the outputs waiting on one
+queue are merged into one. Closing a `generate()` iterator early (client gone) finishes the
+request in the core at its next step, which frees its KV blocks.
+
+Lifecycle: `start()` spawns the core and waits for it to load the model (the HTTP server answers
+/health 503 meanwhile). If the core process dies, every pending request fails with
+`EngineDeadError`, later ones are refused, and `on_dead` is called (the CLI exits non-zero so a
+supervisor restarts the server). `shutdown()` stops the core: SIGTERM, then SIGKILL if it lingers.
 
 Per-request timings (queue time, time to first token, inter-token gaps, end to end) are taken here:
-the step loop stamps each step's outputs with one clock read, and the event-loop side turns the
-stamps into a `RequestStats` per finished or aborted request, handed to the registered observers
-(the server's Prometheus metrics). The step loop itself does no per-token bookkeeping.
+the core stamps each step's outputs with one clock read, and the event-loop side turns the stamps
+into a `RequestStats` per finished or aborted request, handed to the registered observers (the
+server's Prometheus metrics). The core itself does no per-token bookkeeping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
+import multiprocessing
+import os
+import pickle
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
 
 from paphos.config import EngineConfig, ModelConfig
-from paphos.engine.llm_engine import LLMEngine
-from paphos.engine.output_processor import child_request_id
-from paphos.outputs import RequestOutput
-from paphos.request import Request
+from paphos.core.protocol import (
+    AddRequest,
+    CoreInput,
+    EngineCoreOutputs,
+    FinishRequests,
+    SamplingInputs,
+    SchedulerStats,
+)
+from paphos.engine import core_process
+from paphos.engine.frontend import Frontend
+from paphos.engine.info import EngineInfo
+from paphos.outputs import RequestOutput, accumulate
 from paphos.sampling_params import SamplingParams
 from paphos.tokenizer import Tokenizer
 
@@ -41,7 +63,7 @@ STAT_NAMES = (
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop died; every pending and future request fails with this."""
+    """The engine core died; every pending and future request fails with this."""
 
 
 @dataclass
@@ -83,8 +105,11 @@ class _Tracker:
         self.itl: list[float] = []
         self.generated: dict[int, int] = {}
         self.finished: dict[int, str] = {}
+        self.first_scheduled: float | None = None
 
     def observe(self, output: RequestOutput, stamp: float) -> None:
+        if output.first_scheduled_time is not None and self.first_scheduled is None:
+            self.first_scheduled = output.first_scheduled_time
         has_tokens = False
         for choice in output.outputs:
             if choice.token_ids:
@@ -99,12 +124,12 @@ class _Tracker:
                 self.itl.append(stamp - self.last_token)
             self.last_token = stamp
 
-    def stats(self, first_child: Request | None) -> RequestStats:
+    def stats(self) -> RequestStats:
         n = self.params.n
         reasons = [self.finished.get(i, "abort") for i in range(n)]
         return RequestStats(
             request_id=self.request_id, arrival_time=self.arrival, finished_time=time.monotonic(),
-            first_scheduled_time=None if first_child is None else first_child.first_scheduled_time,
+            first_scheduled_time=self.first_scheduled,
             first_token_time=self.first_token, num_prompt_tokens=self.prompt_len,
             num_generation_tokens=sum(self.generated.values()), n=n, max_tokens=self.params.max_tokens,
             finish_reasons=reasons, inter_token_latencies=self.itl,
@@ -112,100 +137,181 @@ class _Tracker:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        """The owner runs `run_step_loop()` in a thread of its choice (the CLI: the main thread)."""
+    def __init__(self, config: EngineConfig, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """`on_dead(error)` runs on the event loop if the core process dies after it was ready."""
         self.config = config
-        self._loaded = threading.Event()
         self.is_ready = False
         self.errored = False
         self.error: BaseException | None = None
-        self._engine: LLMEngine | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._on_dead = on_dead
+        self._frontend: Frontend | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._socket_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._context: zmq.asyncio.Context | None = None
+        self._to_core: zmq.Socket | None = None
+        self._from_core: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task[None] | None = None
         self._streams: dict[str, asyncio.Queue[tuple[RequestOutput | BaseException, float]]] = {}
-        self._stopping = threading.Event()
-        # First scheduler Request of each client request (set by the step loop when it adds the
-        # request), read once when the request ends for its queue time.
-        self._first_child: dict[str, Request] = {}
         self._observers: list[RequestObserver] = []
+        self._encoder = msgspec.msgpack.Encoder()
+        self._scheduler_stats = SchedulerStats()
+        self._stopping = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Loads the model off the event loop (the HTTP server answers /health meanwhile)."""
-        self._loop = asyncio.get_running_loop()
+        """Starts the core process and waits for it to load the model; raises if loading fails."""
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="paphos-")
+        to_core = f"ipc://{Path(self._socket_dir.name) / 'in'}"
+        from_core = f"ipc://{Path(self._socket_dir.name) / 'out'}"
+        self._context = zmq.asyncio.Context()
+        # A plain (blocking-API) socket for sends: they never wait (no high-water mark), so
+        # routes and cleanup code send without awaiting.
+        self._to_core = zmq.Context.instance().socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(to_core)
+        self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.RCVHWM, 0)
+        self._from_core.bind(from_core)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=core_process.run_engine_core, args=(self.config, to_core, from_core, os.getpid()),
+            name="paphos-engine-core",
+        )
+        self._process.start()
+        logger.info("engine core process %d started", self._process.pid)
         try:
-            self._engine = await asyncio.to_thread(LLMEngine, self.config)
-        except Exception as exc:
-            logger.exception("loading the model failed")
+            info = await self._await_ready()
+        except BaseException as exc:
             self._fail(exc)
-            return
-        self._loaded.set()
+            await self._stop_process()
+            raise
+        self._frontend = Frontend(info)
+        self._reader = asyncio.create_task(self._read_outputs(), name="paphos-core-outputs")
+        asyncio.get_running_loop().add_reader(self._process.sentinel, self._core_exited)
         self.is_ready = True
 
-    def run_step_loop(self) -> None:
-        """Runs the step loop in the calling thread until shutdown() or an engine failure.
+    async def _await_ready(self) -> EngineInfo:
+        assert self._from_core is not None and self._process is not None
+        while True:
+            if await self._from_core.poll(500):
+                kind, body = await self._from_core.recv_multipart()
+                if kind == core_process.READY:
+                    return pickle.loads(body)
+                raise RuntimeError(body.decode(errors="replace"))
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine core process exited with code {self._process.exitcode} while loading")
 
-        The CLI gives it the process's main thread: torch's OpenMP kernels driven from another
-        thread ran up to 1.5-2x slower per decode step on a 2-core machine.
-        """
-        while not self._loaded.wait(0.2):
-            if self._stopping.is_set() or self.errored:
-                return
-        self._run()
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        await self._stop_process()
+
+    async def _stop_process(self) -> None:
+        process = self._process
+        if process is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(process.sentinel)
+            except (ValueError, OSError):
+                pass
+            if process.is_alive():
+                process.terminate()
+                await asyncio.to_thread(process.join, 10)
+            if process.is_alive():
+                logger.warning("the engine core did not stop within 10 s; killing it")
+                process.kill()
+                await asyncio.to_thread(process.join, 5)
+        for sock in (self._to_core, self._from_core):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._socket_dir is not None:
+            self._socket_dir.cleanup()
+            self._socket_dir = None
+
+    def _core_exited(self) -> None:
+        assert self._process is not None
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self._stopping:
+            return
+        self._process.join(0)
+        self._dead(RuntimeError(f"the engine core process exited with code {self._process.exitcode}"))
+
+    def _dead(self, exc: BaseException) -> None:
+        if self.errored:
+            return
+        logger.error("the engine core died: %s", exc)
+        self._fail(exc)
+        if self._on_dead is not None:
+            self._on_dead(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.errored = True
+        self.error = exc
+        self.is_ready = False
+        dead = EngineDeadError(f"the engine has stopped: {exc}")
+        now = time.monotonic()
+        for stream in self._streams.values():
+            stream.put_nowait((dead, now))
+
+    # ---- what the routes use ----------------------------------------------------------------------
 
     @property
-    def engine(self) -> LLMEngine:
-        if self._engine is None:
+    def frontend(self) -> Frontend:
+        if self._frontend is None:
             raise EngineDeadError("the model is not loaded yet")
-        return self._engine
+        return self._frontend
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self.frontend.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.frontend.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self.frontend.info.vocab_size
 
     @property
     def model_config(self) -> ModelConfig:
         """The resolved model config once loaded; before that, the one given (model path known)."""
-        if self._engine is None:
+        if self._frontend is None:
             return self.config.model
-        return self._engine.config.model
+        return self._frontend.info.config.model
 
     def stats(self) -> dict[str, float]:
-        if self._engine is None:
+        if self._frontend is None:
             return dict.fromkeys(STAT_NAMES, 0)
-        scheduler = self._engine.scheduler
-        processor = self._engine.output_processor
+        core = self._scheduler_stats
+        processor = self._frontend.output_processor
         return {
-            "num_running": scheduler.num_running,
-            "num_waiting": scheduler.num_waiting,
-            "kv_usage": scheduler.kv_usage,
-            "num_used_blocks": scheduler.num_used_blocks,
-            "num_total_blocks": self._engine.num_blocks - 1,  # block 0 is reserved
-            "num_preemptions": scheduler.num_preemptions_total,
-            "prefix_cache_queries": scheduler.prefix_cache_queries,
-            "prefix_cache_hits": scheduler.prefix_cache_hits,
+            "num_running": core.num_running,
+            "num_waiting": core.num_waiting,
+            "kv_usage": core.kv_usage,
+            "num_used_blocks": core.num_used_blocks,
+            "num_total_blocks": self._frontend.info.num_blocks - 1,  # block 0 is reserved
+            "num_preemptions": core.num_preemptions,
+            "prefix_cache_queries": core.prefix_cache_queries,
+            "prefix_cache_hits": core.prefix_cache_hits,
             "num_prompt_tokens": processor.num_prompt_tokens,
             "num_generation_tokens": processor.num_generation_tokens,
         }
 
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache settings, as strings (Prometheus info metric)."""
-        cache = self.config.cache if self._engine is None else self._engine.config.cache
+        cache = self.config.cache if self._frontend is None else self._frontend.info.config.cache
         info = {
             "block_size": str(cache.block_size),
             "cache_dtype": cache.kv_cache_dtype,
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization),
         }
-        if self._engine is not None:
-            info["num_gpu_blocks"] = str(self._engine.num_blocks - 1)
+        if self._frontend is not None:
+            info["num_gpu_blocks"] = str(self._frontend.info.num_blocks - 1)
         return info
 
     def add_request_observer(self, observer: RequestObserver) -> None:
@@ -218,37 +324,87 @@ class AsyncEngine:
         """Validates at once (raising ParamError), then streams the request's outputs."""
         if self.errored:
             raise EngineDeadError(f"the engine has stopped: {self.error}")
-        self.engine.validate_request(prompt_token_ids, params)
-        return self._stream(request_id, prompt_token_ids, params)
-
-    async def _stream(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+        inputs = self.frontend.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        return self._stream(request_id, prompt_token_ids, params, inputs)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    async def _stream(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, inputs: SamplingInputs
+    ) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue[tuple[RequestOutput | BaseException, float]] = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = time.monotonic()
         tracker = _Tracker(request_id, len(prompt_token_ids), params, arrival)
-        self._inbox.put(("add", (request_id, prompt_token_ids, params, arrival)))
+        for request in self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival):
+            self._send(AddRequest(request))
         finished = False
         failed = False
+        pending_error: BaseException | None = None
         try:
             while not finished:
-                item, stamp = await stream.get()
+                item, stamp = (pending_error, 0.0) if pending_error is not None else await stream.get()
                 if isinstance(item, BaseException):
                     failed = True
                     raise item
+                # Outputs that piled up while this client was being served go out as one.
+                while not item.finished and not stream.empty():
+                    later, stamp = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending_error = later
+                        break
+                    item = accumulate(item, later)
                 tracker.observe(item, stamp)
                 finished = item.finished
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            first_child = self._first_child.pop(request_id, None)
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._abort(request_id)
             if not failed:
-                self._notify(tracker.stats(first_child))
+                self._notify(tracker.stats())
+
+    def _abort(self, request_id: str) -> None:
+        if self._frontend is None or self.errored:
+            return
+        child_ids = self._frontend.abort_request(request_id)
+        if child_ids:
+            self._send(FinishRequests(child_ids))
+
+    def _send(self, message: CoreInput) -> None:
+        assert self._to_core is not None
+        self._to_core.send(self._encoder.encode(message), copy=False)
+
+    async def _read_outputs(self) -> None:
+        assert self._from_core is not None
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        frontend = self.frontend
+        try:
+            while True:
+                kind, body = await self._from_core.recv_multipart(copy=False)
+                if kind.bytes != core_process.OUTPUTS:
+                    self._dead(RuntimeError(body.bytes.decode(errors="replace")))
+                    return
+                outputs = decoder.decode(body.buffer)
+                if outputs.stats is not None:
+                    self._scheduler_stats = outputs.stats
+                request_outputs, followups = frontend.process(outputs)
+                for message in followups:
+                    self._send(message)
+                for output in request_outputs:
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.put_nowait((output, outputs.timestamp))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the API side of the engine is broken: stop serving
+            logger.exception("processing the engine core's outputs failed")
+            self._dead(exc)
 
     def _notify(self, stats: RequestStats) -> None:
         for observer in self._observers:
@@ -256,64 +412,3 @@ class AsyncEngine:
                 observer(stats)
             except Exception:  # noqa: BLE001 - metrics must never break a request
                 logger.exception("a request observer failed")
-
-    async def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-
-    async def shutdown(self) -> None:
-        self._stopping.set()
-        self._inbox.put(("wake", None))
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping.is_set():
-                self._drain_inbox(engine, block=not engine.has_unfinished_requests())
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    stamp = time.monotonic()
-                    for output in outputs:
-                        self._deliver(output.request_id, output, stamp)
-        except Exception as exc:
-            logger.exception("the engine step loop died")
-            self._fail(exc)
-
-    def _drain_inbox(self, engine: LLMEngine, block: bool) -> None:
-        while True:
-            try:
-                # A bounded wait keeps the loop responsive to shutdown and to signals.
-                kind, payload = self._inbox.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if kind == "add":
-                request_id, prompt_token_ids, params, arrival = payload
-                try:
-                    engine.add_request(request_id, prompt_token_ids, params, arrival)
-                except Exception as exc:  # noqa: BLE001 - reported to that request only
-                    self._deliver(request_id, exc, time.monotonic())
-                    continue
-                first_child = engine.scheduler.requests.get(child_request_id(request_id, 0))
-                if first_child is not None and request_id in self._streams:
-                    self._first_child[request_id] = first_child
-            elif kind == "abort":
-                engine.abort_request([payload])
-                self._first_child.pop(payload, None)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException, stamp: float) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._put, request_id, item, stamp)
-
-    def _put(self, request_id: str, item: RequestOutput | BaseException, stamp: float) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait((item, stamp))
-
-    def _fail(self, exc: BaseException) -> None:
-        self.errored = True
-        self.error = exc
-        self.is_ready = False
-        dead = EngineDeadError(f"the engine has stopped: {exc}")
-        if self._loop is not None:
-            for request_id in list(self._streams):
-                self._deliver(request_id, dead, time.monotonic())

@@ -1,15 +1,17 @@
 """Admission-time sampler preparation: what needs the tokenizer, done once per request.
 
-Data flow: `LLMEngine.validate_request` (called on the HTTP thread by the async engine, before the
-request reaches the step loop) -> `SamplingPreparer.prepare(params)` fills the engine-filled fields
-of SamplingParams: DRY breaker token ids, bad-word token sequences and the compiled grammar. The
-step loop and the runner then see only token ids and the compiled grammar, so grammar compilation
-never runs inside a step; xgrammar caches compiled grammars by their text.
+Data flow: `Frontend.validate` (in the API process, before the request reaches the engine core)
+-> `SamplingPreparer.prepare(params)` -> the request's `SamplingInputs`: DRY breaker token ids,
+bad-word token sequences and the compiled grammar, serialized. The params are left as the client
+sent them. The core and the runner then see only token ids and a compiled grammar, so
+tokenization and grammar compilation never run inside a step; xgrammar caches compiled grammars by
+their text.
 """
 
 from __future__ import annotations
 
-from paphos.sample.guided import GrammarBackend
+from paphos.core.protocol import SamplingInputs
+from paphos.sample.guided import GrammarBackend, tokenizer_info
 from paphos.sampling_params import SamplingParams
 from paphos.tokenizer import Tokenizer
 
@@ -21,15 +23,18 @@ class SamplingPreparer:
         self.stop_token_ids = stop_token_ids
         self._grammar: GrammarBackend | None = None  # built on first use (tokenizer scan: ~1 s)
 
-    def prepare(self, params: SamplingParams) -> None:
-        if params.dry_multiplier > 0 and not params.dry_breaker_ids:
-            params.dry_breaker_ids = self.breaker_ids(params.dry_sequence_breakers)
-        if params.bad_words and not params.bad_words_ids:
-            params.bad_words_ids = self.bad_words_ids(params.bad_words)
-        if params.guided is not None and params.compiled_grammar is None:
+    def prepare(self, params: SamplingParams) -> SamplingInputs:
+        """Raises ParamError for a grammar that does not compile."""
+        grammar = None
+        if params.guided is not None:
             if self._grammar is None:
-                self._grammar = GrammarBackend(self.tokenizer.hf, self.vocab_size, self.stop_token_ids)
-            params.compiled_grammar = self._grammar.compile(params)
+                self._grammar = GrammarBackend(tokenizer_info(self.tokenizer.hf, self.vocab_size, self.stop_token_ids))
+            grammar = self._grammar.compile(params)
+        return SamplingInputs(
+            dry_breaker_ids=tuple(self.breaker_ids(params.dry_sequence_breakers)) if params.dry_multiplier > 0 else (),
+            bad_words_ids=tuple(tuple(ids) for ids in self.bad_words_ids(params.bad_words)) if params.bad_words else (),
+            grammar=grammar,
+        )
 
     def breaker_ids(self, breakers: list[str]) -> list[int]:
         """Contract §4.4.14: breaker b is the last id of encode("a" + b), which gives the token b

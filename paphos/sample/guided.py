@@ -1,10 +1,12 @@
 """Guided decoding (structured outputs) through xgrammar.
 
-Data flow: at admission the engine (paphos/engine/sampling_prep.py) compiles the request's
-constraint here (`GrammarBackend.compile`, cached by xgrammar per grammar text) and stores the
-compiled grammar on the request's SamplingParams; the model runner keeps one `GrammarMatcher` per
-sequence (`GuidedState`), fills the allowed-token bitmask of the guided rows before each sampling
-step (the sampler applies it first in the pre-chain) and feeds every sampled token back.
+Data flow: at admission the API process (paphos/engine/sampling_prep.py) compiles the request's
+constraint here (`GrammarBackend.compile`, cached by xgrammar per grammar text; a bad grammar is
+a 400 before the engine sees it) and sends it serialized in the request's `SamplingInputs`, so
+compilation never runs in the engine core's step loop; the model runner loads it against its own
+tokenizer info and keeps one `GrammarMatcher` per sequence (`GuidedState`), fills the
+allowed-token bitmask of the guided rows before each sampling step (the sampler applies it first
+in the pre-chain) and feeds every sampled token back.
 
 Constraints: guided_json / response_format json_schema (JSON Schema), response_format json_object
 (any JSON object), guided_regex, guided_choice (an alternation of literal strings) and
@@ -15,6 +17,7 @@ A phrase-ban rollback rolls the matcher back by the tokens removed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,17 +31,24 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def tokenizer_info(hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """The vocabulary scan grammars are compiled and loaded against (~1 s for a 128k vocabulary);
+    the API process and the engine core each build it once, from the same tokenizer."""
+    return xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+
+
 class GrammarBackend:
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    def __init__(self, info: xgr.TokenizerInfo) -> None:
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
 
-    def compile(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
+    def compile(self, params: SamplingParams) -> str | None:
+        """The request's constraint compiled and serialized for the engine core, or None."""
         spec = params.guided
         if spec is None:
             return None
-        name, value = spec
+        return self._compile(*spec).serialize_json()
+
+    def _compile(self, name: str, value: Any) -> xgr.CompiledGrammar:
         try:
             if name == "guided_json":
                 return self.compiler.compile_json_schema(json.dumps(value) if not isinstance(value, str) else value)
@@ -66,31 +76,35 @@ class GuidedState:
     """The runner's grammar matchers, one per sequence; they outlive preemption (the matcher has
     already accepted the kept output) and are dropped when the sequence finishes."""
 
-    def __init__(self) -> None:
+    def __init__(self, info: Callable[[], xgr.TokenizerInfo]) -> None:
+        self._make_info = info
+        self._info: xgr.TokenizerInfo | None = None
         self._matchers: dict[str, tuple[xgr.GrammarMatcher, list[int]]] = {}
 
     def drop(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
 
     def bitmask(
-        self, rows: list[tuple[int, str, SamplingParams, int]], vocab_size: int
+        self, rows: list[tuple[int, str, str | None, int]], vocab_size: int
     ) -> tuple[list[int], torch.Tensor] | None:
-        """rows: (batch row, request id, params, output tokens so far) of the rows sampling now.
-        Returns (guided rows, int32 bitmask) for the sampler's pre-chain, or None."""
-        guided = [r for r in rows if r[2].compiled_grammar is not None]
+        """rows: (batch row, request id, serialized grammar or None, output tokens so far) of the
+        rows sampling now. Returns (guided rows, int32 bitmask) for the sampler's pre-chain, or None."""
+        guided = [r for r in rows if r[2] is not None]
         if not guided:
             return None
         mask = xgr.allocate_token_bitmask(len(guided), vocab_size)
-        for i, (_, req_id, params, num_output) in enumerate(guided):
-            matcher, accepted = self._matchers.get(req_id) or self._new(req_id, params)
+        for i, (_, req_id, grammar, num_output) in enumerate(guided):
+            matcher, accepted = self._matchers.get(req_id) or self._new(req_id, grammar)
             if len(accepted) > num_output:  # the sequence was rolled back (phrase ban)
                 matcher.rollback(len(accepted) - num_output)
                 del accepted[num_output:]
             matcher.fill_next_token_bitmask(mask, i)
         return [r[0] for r in guided], mask
 
-    def _new(self, req_id: str, params: SamplingParams) -> tuple[xgr.GrammarMatcher, list[int]]:
-        entry = (xgr.GrammarMatcher(params.compiled_grammar), [])
+    def _new(self, req_id: str, grammar: str) -> tuple[xgr.GrammarMatcher, list[int]]:
+        if self._info is None:
+            self._info = self._make_info()
+        entry = (xgr.GrammarMatcher(xgr.CompiledGrammar.deserialize_json(grammar, self._info)), [])
         self._matchers[req_id] = entry
         return entry
 

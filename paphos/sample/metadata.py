@@ -3,8 +3,8 @@
 Built by the model runner from the `SamplingParams` and token history of the rows that sample this
 step, consumed by `Sampler`. Every chain parameter of a row lives in one float32 matrix
 `columns` [R, len(COLUMNS)], copied to the device in one transfer; a request's row of values and
-its set of enabled stages are computed once per request and cached on its params (a serving step
-must not pay Python work per row per sampler).
+its set of enabled stages are computed once per request (`sampler_row`, kept by the runner on
+its request state: a serving step must not pay Python work per row per sampler).
 
 Rows are grouped by their resolved order (paphos/sample/order.py); groups whose enabled stages
 come out the same are merged, so a batch where every row uses the default order is one group that
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paphos.core.protocol import SamplingInputs
 from paphos.sample import order as st
 from paphos.sample.fast.compact import SET_STAGES, capacity
 from paphos.sample.fast.history_kernels import HISTORY_CODE, HISTORY_PARAMS
@@ -38,10 +39,10 @@ from paphos.sampling_params import SamplingParams
 # The chain kernel's parameters first, then the history kernel's (each reads its own at fixed offsets).
 COLUMNS = CHAIN_PARAMS + HISTORY_PARAMS + ("mirostat_mode", "mirostat_tau", "mirostat_eta")
 COL = {name: i for i, name in enumerate(COLUMNS)}
+_NO_INPUTS = SamplingInputs()
 HISTORY_STAGES = frozenset({st.PENALTIES, st.DRY, st.NO_REPEAT_NGRAM})
 SKEW = "skew"  # runs after the chain, not a chain stage
 _CUTOFF_UNIT = 1e-4  # eta/epsilon cutoffs arrive in 1e-4 units (contract §4.4.6)
-_CACHE_ATTR = "_paphos_sampler_row"
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,6 @@ class SamplerRow:
 def sampler_row(p: SamplingParams) -> SamplerRow:
     """Column values and enabled stages of one request; greedy rows neutralise what cannot change
     their argmax (temperature, truncation, XTC, skew, mirostat) but keep penalties, DRY, no-repeat."""
-    cached = p.__dict__.get(_CACHE_ATTR)
-    if cached is not None:
-        return cached
     greedy = p.is_greedy
     dynatemp = not greedy and (p.dynatemp_min > 0 or p.dynatemp_max > 0)
     values = {
@@ -123,9 +121,7 @@ def sampler_row(p: SamplingParams) -> SamplerRow:
     codes += (0,) * (len(CHAIN_CODE) - len(codes))
     history = tuple(HISTORY_CODE[s] for s in p.order if s in enabled and s in HISTORY_CODE)
     history += (0,) * (len(HISTORY_CODE) - len(history))
-    row = SamplerRow(tuple(float(values[c]) for c in COLUMNS), enabled, codes, history)
-    p.__dict__[_CACHE_ATTR] = row
-    return row
+    return SamplerRow(tuple(float(values[c]) for c in COLUMNS), enabled, codes, history)
 
 
 @dataclass
@@ -215,12 +211,19 @@ class SamplingMetadata:
         mirostat_mu: Sequence[torch.Tensor | None] | None = None,
         position_bans: Sequence[Sequence[int]] | None = None,
         grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
+        sampler_rows: Sequence[SamplerRow] | None = None,
+        sampling_inputs: Sequence[SamplingInputs] | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
     ) -> SamplingMetadata:
         """token_ids: prompt + output of each row (the runner's state); position_bans: ids banned
         at the position each row samples now (phrase-ban rollbacks); grammar_bitmask: (rows, int32
-        bitmask [len(rows), ceil(V/32)]) of the guided rows."""
+        bitmask [len(rows), ceil(V/32)]) of the guided rows; sampler_rows: each row's
+        `sampler_row(params)` when the caller keeps them (computed here otherwise);
+        sampling_inputs: each row's tokenizer-derived inputs (DRY breakers, bad words);
+        extra_eos_token_ids: the model's end-of-generation ids besides `eos_token_id`."""
         num_rows = len(params)
-        rows_info = [sampler_row(p) for p in params]
+        rows_info = list(sampler_rows) if sampler_rows is not None else [sampler_row(p) for p in params]
+        inputs = list(sampling_inputs) if sampling_inputs is not None else [_NO_INPUTS] * num_rows
         columns = torch.tensor([r.values for r in rows_info], dtype=torch.float32).reshape(num_rows, len(COLUMNS))
         top_k = columns[:, COL["top_k"]]
         columns[:, COL["top_k"]] = torch.where((top_k <= 0) | (top_k >= vocab_size), float(vocab_size), top_k)
@@ -247,10 +250,10 @@ class SamplingMetadata:
             if st.DRY in enabled_any:
                 dry_users = [i for i in users if st.DRY in rows_info[i].enabled]
                 dry_k = min(length, max(params[i].dry_max_ngram for i in dry_users))
-                width = max(1, max(len(params[i].dry_breaker_ids) for i in dry_users))
+                width = max(1, max(len(inputs[i].dry_breaker_ids) for i in dry_users))
                 brk = np.full((num_rows, width), -1, dtype=np.int64)
                 for i in dry_users:
-                    ids = params[i].dry_breaker_ids
+                    ids = inputs[i].dry_breaker_ids
                     brk[i, : len(ids)] = ids
                 breakers = torch.from_numpy(brk).to(device)
             if st.NO_REPEAT_NGRAM in enabled_any:
@@ -283,7 +286,8 @@ class SamplingMetadata:
                 bias_rows.extend([row] * len(p.logit_bias))
                 bias_ids.extend(p.logit_bias.keys())
                 bias_vals.extend(p.logit_bias.values())
-            masked = _masked_ids(p, n_out, token_ids[row], eos_token_id)
+            masked = _masked_ids(p, inputs[row].bad_words_ids, n_out, token_ids[row], eos_token_id,
+                                 extra_eos_token_ids)
             if position_bans is not None:
                 masked.update(position_bans[row])
             mask_rows.extend([row] * len(masked))
@@ -330,22 +334,22 @@ class SamplingMetadata:
         )
 
 
-def _masked_ids(p: SamplingParams, num_output: int, token_ids: Sequence[int], eos_token_id: int | None) -> set[int]:
+def _masked_ids(
+    p: SamplingParams, bad_words_ids: Sequence[Sequence[int]], num_output: int, token_ids: Sequence[int],
+    eos_token_id: int | None, extra_eos_token_ids: Sequence[int],
+) -> set[int]:
     """Ids masked to -inf at this step: bans, EOS bans, stop ids under min_tokens, bad words."""
     masked = set(p.custom_token_bans or ())
-    if p.ban_eos_token:
-        masked.update(p.extra_eos_token_ids)
+    if p.ban_eos_token or num_output < p.min_tokens:
+        masked.update(extra_eos_token_ids)
         if eos_token_id is not None:
             masked.add(eos_token_id)
     if num_output < p.min_tokens:
         masked.update(p.stop_token_ids)
-        masked.update(p.extra_eos_token_ids)
-        if eos_token_id is not None:
-            masked.add(eos_token_id)
-    for word in p.bad_words_ids:
+    for word in bad_words_ids:
         # The output ends with all but the last token of a bad word: mask that last token.
         prefix = len(word) - 1
-        if prefix == 0 or (num_output >= prefix and list(token_ids[len(token_ids) - prefix:]) == word[:-1]):
+        if prefix == 0 or (num_output >= prefix and tuple(token_ids[len(token_ids) - prefix:]) == tuple(word[:-1])):
             masked.add(word[-1])
     return masked
 

@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 from paphos.attention.metadata import AttentionMetadata
+from paphos.core.protocol import SamplingInputs
 from paphos.core.scheduler_output import SchedulerOutput
+from paphos.sample.metadata import SamplerRow, sampler_row
 from paphos.sampling_params import SamplingParams
+from paphos.worker.lookahead import stateless
 
 
 @dataclass
@@ -25,8 +28,14 @@ class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
+    sampling_inputs: SamplingInputs
     block_ids: list[int]
     num_computed_tokens: int
+    position_bans: dict[int, list[int]]
+    # Derived from the params once per request, not per step.
+    sampler_row: SamplerRow
+    # Its next token depends only on its logits and (seed, position) (lookahead.py).
+    stateless: bool
 
     @property
     def num_output_tokens(self) -> int:
@@ -53,13 +62,18 @@ def apply_scheduler_diffs(states: dict[str, RequestState], out: SchedulerOutput)
     for req_id in out.finished_req_ids | out.preempted_req_ids:
         states.pop(req_id, None)
     for new in out.scheduled_new_reqs:
+        params = new.sampling_params
         states[new.req_id] = RequestState(
             req_id=new.req_id,
             token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids),
-            sampling_params=new.sampling_params,
+            sampling_params=params,
+            sampling_inputs=new.sampling_inputs,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            position_bans=new.position_bans,
+            sampler_row=sampler_row(params),
+            stateless=stateless(params) and new.sampling_inputs.grammar is None,
         )
     for cached in out.scheduled_cached_reqs:
         state = states[cached.req_id]

@@ -40,7 +40,7 @@ from paphos.sampling_params import SamplingParams
 _STATELESS_FIELDS = frozenset({
     "n", "best_of", "seed", "max_tokens", "min_tokens", "ignore_eos", "stop", "stop_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "logprobs",
-    "prompt_logprobs", "extra_eos_token_ids", "logit_bias", "allowed_token_ids", "custom_token_bans",
+    "prompt_logprobs", "logit_bias", "allowed_token_ids", "custom_token_bans",
     "ban_eos_token", "order", "sampler_priority", "sampler_order", "temperature", "temperature_last",
     "dynatemp_min", "dynatemp_max", "dynatemp_exponent", "top_k", "top_p", "top_a", "min_p", "tfs",
     "typical_p", "eta_cutoff", "epsilon_cutoff", "nsigma", "smoothing_factor", "smoothing_curve",
@@ -50,6 +50,7 @@ _DEFAULTS = SamplingParams()
 
 
 def stateless(params: SamplingParams) -> bool:
+    """Once per request (the runner keeps the answer on its state)."""
     for f in dataclasses.fields(params):
         if f.name not in _STATELESS_FIELDS and getattr(params, f.name) != getattr(_DEFAULTS, f.name):
             return False

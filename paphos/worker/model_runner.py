@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Callable
 
 import torch
+import xgrammar as xgr
 
-from paphos.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from paphos.core.protocol import TokenLogprobs
+from paphos.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paphos.sample.guided import GuidedState
 from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.sampler import Sampler, SamplerOutput
@@ -32,7 +35,6 @@ from paphos.worker.lookahead import (
     Readback,
     next_slots_if_allocated,
     next_step_metadata,
-    stateless,
 )
 
 
@@ -53,8 +55,12 @@ class ModelRunner:
         vocab_size: int,
         eos_token_id: int | None,
         max_model_len: int,
-        decode_lookahead: bool = False,
+        decode_lookahead: bool,
+        extra_eos_token_ids: tuple[int, ...],
+        grammar_info: Callable[[], xgr.TokenizerInfo],
     ) -> None:
+        """grammar_info builds the tokenizer info guided requests' grammars load against (once,
+        at the first guided request)."""
         self.model = model
         self.max_model_len = max_model_len
         self.decode_lookahead = decode_lookahead
@@ -62,6 +68,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = extra_eos_token_ids
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, block_size, device)
         self.uploader = DeviceUploader(device)
         # Set up by `capture_decode_graphs` (GPU, not --enforce-eager); None = every step eager.
@@ -75,7 +82,7 @@ class ModelRunner:
         # and dropped only on finish.
         self.seeds: dict[str, int] = {}
         self.mirostat_mu: dict[str, torch.Tensor] = {}
-        self.guided = GuidedState()
+        self.guided = GuidedState(grammar_info)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -150,7 +157,7 @@ class ModelRunner:
         device (lookahead.py); None otherwise."""
         assert self.decode_graphs is not None
         eligible = all(
-            stateless(s.sampling_params)
+            s.stateless
             and s.sampling_params.min_tokens <= s.num_output_tokens
             and (s.sampling_params.max_tokens is None or s.num_output_tokens + 1 < s.sampling_params.max_tokens)
             for s in states
@@ -169,7 +176,7 @@ class ModelRunner:
         return Lookahead(list(inputs.req_ids), inputs.host_positions + 1, next_slots, next_result, next_metadata)
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
-        rows = [(row, s.req_id, s.sampling_params, s.num_output_tokens) for row, s in enumerate(states)]
+        rows = [(row, s.req_id, s.sampling_inputs.grammar, s.num_output_tokens) for row, s in enumerate(states)]
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             seeds=[self._seed(s) for s in states],
@@ -179,8 +186,11 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
             mirostat_mu=[self.mirostat_mu.get(s.req_id) for s in states],
-            position_bans=[s.sampling_params.position_bans.get(s.num_output_tokens, ()) for s in states],
+            position_bans=[s.position_bans.get(s.num_output_tokens, ()) for s in states],
             grammar_bitmask=self.guided.bitmask(rows, self.vocab_size),
+            sampler_rows=[s.sampler_row for s in states],
+            sampling_inputs=[s.sampling_inputs for s in states],
+            extra_eos_token_ids=self.extra_eos_token_ids,
         )
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState], metadata: SamplingMetadata) -> SamplerOutput:
@@ -204,7 +214,7 @@ class ModelRunner:
         for row, (batch_idx, state) in enumerate(zip(batch_indices, states, strict=True)):
             token = tokens[row]
             state.token_ids.append(token)
-            if state.sampling_params.compiled_grammar is not None:
+            if state.sampling_inputs.grammar is not None:
                 self.guided.accept(state.req_id, token)
             output.sampled_token_ids[batch_idx] = [token]
             output.sampled_logprobs[batch_idx] = [lps[row]]

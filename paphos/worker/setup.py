@@ -7,6 +7,7 @@ memory budget -> ModelRunner. Returns the EngineConfig with model-derived values
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 
@@ -18,6 +19,7 @@ from paphos.config import ConfigError, EngineConfig
 from paphos.loader import load_model_source
 from paphos.models.registry import resolve_model_class
 from paphos.quant.gguf import quant_config_for_source
+from paphos.sample.guided import tokenizer_info
 from paphos.tokenizer import Tokenizer
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
@@ -82,6 +84,9 @@ def load_worker(config: EngineConfig) -> Worker:
     config = config.with_max_model_len(max_model_len)
 
     device = resolve_device(model_config.device)
+    if config.scheduler.max_num_batched_tokens is None:
+        batched = 8192 if device.type == "cuda" else 2048
+        config = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=batched))
     backend = _attention_backend(config, device)
     dtype = resolve_dtype(model_config.dtype, source.hf_config, device)
     kv_dtype = _kv_cache_dtype(config, backend, dtype)
@@ -113,6 +118,8 @@ def load_worker(config: EngineConfig) -> Worker:
     runner = ModelRunner(
         model, kv_spec, num_blocks, config.cache.block_size, device, model.vocab_size,
         eos_ids[0] if eos_ids else None, max_model_len, bool(config.scheduler.decode_lookahead),
+        extra_eos_token_ids=tuple(eos_ids[1:]),
+        grammar_info=functools.partial(tokenizer_info, source.tokenizer.hf, model.vocab_size, sorted(set(eos_ids))),
     )
     if graphs:
         runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)

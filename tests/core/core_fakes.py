@@ -27,10 +27,13 @@ def make_request(
     req_id: str,
     prompt: list[int],
     eos_token_id: int | None = None,
+    extra_eos_token_ids: tuple[int, ...] = (),
     **params: object,
 ) -> Request:
     params.setdefault("max_tokens", 8)
-    return Request(req_id, prompt, SamplingParams(**params), eos_token_id=eos_token_id)
+    return Request(
+        req_id, prompt, SamplingParams(**params), eos_token_id=eos_token_id, extra_eos_token_ids=extra_eos_token_ids
+    )
 
 
 def make_scheduler(
@@ -145,7 +148,7 @@ class FakeRunner:
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list]:
     out = scheduler.schedule()
-    outputs = scheduler.update_from_output(out, runner.execute(out))
+    outputs = list(scheduler.update_from_output(out, runner.execute(out)))
     check_invariants(scheduler)
     return out, outputs
 

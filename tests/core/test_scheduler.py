@@ -132,7 +132,7 @@ def test_abort_between_schedule_and_update_is_ignored_by_update():
     out = s.schedule()
     result = runner.execute(out)
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert s.update_from_output(out, result) == []
+    assert list(s.update_from_output(out, result)) == []
     check_invariants(s)
 
 

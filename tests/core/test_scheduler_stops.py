@@ -38,12 +38,12 @@ def test_eos_stops_with_reason_none():
 
 
 def test_extra_eos_ids_stop_like_eos():
-    tokens, last, _ = generate([9, 11, 9], extra_eos_token_ids=[11])
+    tokens, last, _ = generate([9, 11, 9], extra_eos_token_ids=(11,))
     assert tokens == [9, 11] and last.finish_reason == "stop" and last.stop_reason is None
 
 
 def test_ignore_eos_runs_to_max_tokens():
-    tokens, last, _ = generate([EOS, EOS, 11, EOS], ignore_eos=True, max_tokens=4, extra_eos_token_ids=[11])
+    tokens, last, _ = generate([EOS, EOS, 11, EOS], ignore_eos=True, max_tokens=4, extra_eos_token_ids=(11,))
     assert tokens == [EOS, EOS, 11, EOS] and last.finish_reason == "length"
 
 

@@ -8,7 +8,9 @@ from collections import Counter
 
 import pytest
 
+from paphos.core.protocol import RollbackRequest
 from paphos.llm import LLM
+from paphos.outputs import RequestOutput, accumulate
 from paphos.sampling_params import SamplingParams
 
 NUM = 200
@@ -51,3 +53,33 @@ def test_case_sensitive_ban_only_matches_exact_case(llm: LLM, plain: list) -> No
     assert [o.token_ids for o in kept] == [o.token_ids for o in plain]
     gone = sample(llm, banned_strings=[word])
     assert all(word not in o.text.split() for o in gone)
+
+
+def test_bans_hold_when_the_core_runs_ahead_of_its_follow_ups(llm: LLM, plain: list) -> None:
+    """The server's core does not wait for the API process: a rollback reaches it a step (or more)
+    after the outputs that asked for it. Outputs produced meanwhile are stale and dropped."""
+    bigrams = Counter(b for o in plain for b in {" ".join(p) for p in zip(o.text.split(), o.text.split()[1:], strict=False)})
+    phrase = bigrams.most_common(1)[0][0]
+    engine = llm.engine
+    ids = [f"late-{i}" for i in range(NUM)]
+    prompt = llm.tokenizer.encode("w5 w6 w7")
+    for i, request_id in enumerate(ids):
+        params = SamplingParams(temperature=0.7, max_tokens=8, seed=i, ignore_eos=True, banned_strings=[phrase])
+        engine.add_request(request_id, prompt, params)
+    results: dict[str, RequestOutput | None] = dict.fromkeys(ids)
+    late: list = []
+    rollbacks = 0
+    while engine.has_unfinished_requests():
+        outputs, followups = engine.frontend.process(engine.core.step())
+        for message in late:  # one step late: the core already ran the next step
+            engine.core.handle(message)
+        late = followups
+        rollbacks += sum(isinstance(m, RollbackRequest) for m in followups)
+        for delta in outputs:
+            results[delta.request_id] = accumulate(results[delta.request_id], delta)
+    assert rollbacks >= 20, "the phrase must be common for the test to mean anything"
+    for result in results.values():
+        out = result.outputs[0]
+        assert phrase not in out.text
+        assert out.text.strip() == llm.tokenizer.decode(out.token_ids).strip()
+        assert out.finish_reason == "length" and 1 <= len(out.token_ids) <= 8

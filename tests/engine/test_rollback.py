@@ -1,6 +1,7 @@
 """Phrase-ban rollback in the scheduler (Scheduler.rollback_request): the runner is told through
 ordinary diffs, KV blocks past the kept prefix are given back, the partial block is recomputed,
-and the ban reaches the runner in the params. The fake runner checks the KV of every position."""
+and the ban reaches the runner in its new-request data. The fake runner checks the KV of every
+position."""
 
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ def test_rollback_truncates_recomputes_and_bans_at_that_position() -> None:
     check_invariants(scheduler)
     assert req.num_output_tokens == 3 and req.num_tokens == 8
     assert req.num_computed_tokens == 4  # the block holding the last kept token is recomputed
-    assert req.sampling_params.position_bans == {3: [banned]}
+    assert req.position_bans == {3: [banned]}
     out, _ = step(scheduler, runner)
     assert "a" in out.preempted_req_ids and [n.req_id for n in out.scheduled_new_reqs] == ["a"]
     assert out.num_scheduled_tokens["a"] == 4
     assert runner.reqs["a"].tokens[:8] == req.all_token_ids[:8]
     # A second rollback further back drops the later position's bans and keeps accumulating.
     scheduler.rollback_request("a", 2, 77)
-    assert req.sampling_params.position_bans == {2: [77]}
+    assert req.position_bans == {2: [77]}
     for _ in range(20):
         if not scheduler.has_unfinished_requests():
             break

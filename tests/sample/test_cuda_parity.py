@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paphos.core.protocol import SamplingInputs
 from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.rng import uniforms
 from paphos.sample.sampler import Sampler, apply_pre_chain, run_chain
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 VOCAB = 4096
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
+BREAKERS = SamplingInputs(dry_breaker_ids=(0, 1))  # every row's DRY sequence breakers
 
 
 def batch_params() -> list[SamplingParams]:
@@ -37,14 +39,14 @@ def batch_params() -> list[SamplingParams]:
             p = SamplingParams(sampler_order=[6, 0, 1, 3, 4, 2, 5], seed=i, **everything)
         else:
             p = SamplingParams(seed=i, temperature_last=bool(i % 2), **everything)
-        p.dry_breaker_ids = [0, 1]
         params.append(p)
     return params
 
 
 def metadata(params: list[SamplingParams], device: torch.device, histories: list[list[int]]) -> SamplingMetadata:
     return SamplingMetadata.build(params, [p.seed or 0 for p in params], histories, [8] * len(params), 2, VOCAB,
-                                  device, position_bans=[[3]] * len(params))
+                                  device, position_bans=[[3]] * len(params),
+                                  sampling_inputs=[BREAKERS] * len(params))
 
 
 def histories(n: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from paphos.core.protocol import SamplingInputs
 from paphos.sample import order as st
 from paphos.sample.fast import history as fast_history
 from paphos.sample.fast.kernels import force_kernels
@@ -183,6 +184,7 @@ ROW_ORDERS = [
     (st.DRY, st.PENALTIES, st.NO_REPEAT_NGRAM), (st.PENALTIES, st.DRY, st.NO_REPEAT_NGRAM),
     (st.NO_REPEAT_NGRAM, st.PENALTIES, st.DRY), (st.PENALTIES, st.NO_REPEAT_NGRAM, st.DRY),
 ]
+ORDER_INPUTS = SamplingInputs(dry_breaker_ids=(5,))  # every row of order_params breaks DRY at 5
 
 
 def order_params() -> list[SamplingParams]:
@@ -203,7 +205,6 @@ def order_params() -> list[SamplingParams]:
             order = ROW_ORDERS[i % len(ROW_ORDERS)]
             extra = {"dry_range": 8, "no_repeat_ngram_size": 1} if i == 7 else {}
             p = SamplingParams(seed=i, sampler_priority=[HISTORY_IDS[s] for s in order], **{**every, **extra})
-        p.dry_breaker_ids = [5]
         params.append(p)
     return params
 
@@ -212,7 +213,7 @@ def test_row_orders_in_one_batch_match_the_groups(hk) -> None:
     params = order_params()
     tokens = [[t for t in row if t >= 0] for row in histories(3).tolist()]
     md = SamplingMetadata.build(params, [0] * ROWS, tokens, [len(t) // 2 for t in tokens], None, 300,
-                                torch.device("cpu"))  # fmt: skip
+                                torch.device("cpu"), sampling_inputs=[ORDER_INPUTS] * ROWS)  # fmt: skip
     assert md.fused is not None and len(md.fused.history) >= 4  # the orders are separate groups
     wanted = [[hk.HISTORY_CODE[s] for s in ROW_ORDERS[i % len(ROW_ORDERS)]] for i in range(ROWS)]
     wanted[3], wanted[6] = [PENALTIES, 0, 0], [0, 0, 0]

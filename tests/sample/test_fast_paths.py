@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from paphos.core.protocol import SamplingInputs
 from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.ops.min_p import apply_min_p
 from paphos.sample.ops.top_k_top_p import apply_top_k_top_p
@@ -191,6 +192,7 @@ EVERY = dict(
     skew=0.1, dynatemp_min=0.5, dynatemp_max=1.2, custom_token_bans=[5], logit_bias={7: 2.0},
 )
 VOCAB = 400  # > top_k + 256: compaction engages
+BREAKERS = SamplingInputs(dry_breaker_ids=(0,))  # `build` gives every row these DRY breakers
 
 
 def mixed_params(n: int) -> list[SamplingParams]:
@@ -202,7 +204,6 @@ def mixed_params(n: int) -> list[SamplingParams]:
             p = SamplingParams(seed=i, **{**EVERY, "top_k": 1 + i})
         else:
             p = SamplingParams(seed=i, **EVERY)
-        p.dry_breaker_ids = [0]
         params.append(p)
     return params
 
@@ -213,16 +214,15 @@ def histories(n: int, seed: int) -> list[list[int]]:
 
 
 def build(params: list[SamplingParams], seed: int, hist: list[list[int]] | None = None) -> SamplingMetadata:
+    """Every row with `BREAKERS` as its DRY sequence breakers (only DRY rows read them)."""
     hist = hist or histories(len(params), seed)
     return SamplingMetadata.build(params, [p.seed or 0 for p in params], hist, [8] * len(params), 2, VOCAB,
-                                  torch.device("cpu"))
+                                  torch.device("cpu"), sampling_inputs=[BREAKERS] * len(params))
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_compacted_chain_has_the_reference_survivors(seed: int) -> None:
     params = [SamplingParams(seed=i, **EVERY) for i in range(6)]
-    for p in params:
-        p.dry_breaker_ids = [0]
     md = build(params, seed)
     assert md.groups[0].top_k_bound == 20
     x = logits_cases(6, VOCAB, seed)
@@ -335,7 +335,6 @@ def fused_params(n: int) -> list[SamplingParams]:
             p = SamplingParams(temperature=0, repetition_penalty=1.2)
         else:
             p = SamplingParams(seed=i, **{**EVERY, "top_k": 1 + 2 * i, **FUSED_ORDERS[i % len(FUSED_ORDERS)]})
-        p.dry_breaker_ids = [0]
         params.append(p)
     return params
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paphos.core.protocol import SamplingInputs
 from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.rng import uniform_reference, uniforms
 from paphos.sample.sampler import Sampler
@@ -75,16 +76,18 @@ def test_seeded_rows_reproduce_alone_and_in_a_batch_of_32() -> None:
             SamplingParams(seed=5, mirostat_mode=2), SamplingParams(seed=6, sampler_priority=["xtc", "temperature"],
                                                                     xtc_probability=0.7, temperature=1.4)]
     history = [3, 4, 5, 3, 4, 5, 3, 4]
+    breakers = SamplingInputs(dry_breaker_ids=(0,))  # the target row's; the others have none
     for p in mine:
-        p.dry_breaker_ids = [0]
-        alone = [int(Sampler()(target.clone(), build([p], [777], [history])).sampled_token_ids[0]) for _ in range(2)]
+        alone = [int(Sampler()(target.clone(), build([p], [777], [history], sampling_inputs=[breakers]))
+                     .sampled_token_ids[0]) for _ in range(2)]
         assert alone[0] == alone[1]
         others = [SamplingParams(temperature=0.3 + 0.05 * i, top_k=i % 7, min_p=0.01 * (i % 3), xtc_probability=0.3,
                                  mirostat_mode=i % 3 if i % 5 == 0 else 0, temperature_last=bool(i % 2))
                   for i in range(31)]
         batch = torch.cat([torch.randn(31, VOCAB, generator=gen), target])
         histories = [[i, i + 1, i] for i in range(31)] + [history]
-        together = Sampler()(batch, build([*others, p], [*range(31), 777], histories))
+        together = Sampler()(batch, build([*others, p], [*range(31), 777], histories,
+                                          sampling_inputs=[SamplingInputs()] * 31 + [breakers]))
         assert int(together.sampled_token_ids[-1]) == alone[0]
 
 
@@ -165,11 +168,11 @@ def test_bad_words_and_position_bans_mask_their_tokens() -> None:
     logits = torch.zeros(3, VOCAB)
     logits[:, 9] = 5.0
     logits[:, 8] = 4.0
-    word = SamplingParams(temperature=0)
-    word.bad_words_ids = [[3, 9], [8]]  # 9 only right after an output 3; 8 always
-    params = [word, word, SamplingParams(temperature=0)]
+    words = SamplingInputs(bad_words_ids=((3, 9), (8,)))  # 9 only right after an output 3; 8 always
+    params = [SamplingParams(temperature=0)] * 3
     md = SamplingMetadata.build(params, [0, 1, 2], [[1, 3], [1, 2], [1]], [1, 1, 1], None, VOCAB,
-                                torch.device("cpu"), position_bans=[[], [], [9]])
+                                torch.device("cpu"), position_bans=[[], [], [9]],
+                                sampling_inputs=[words, words, SamplingInputs()])
     out = Sampler()(logits, md).sampled_token_ids.tolist()
     assert out == [0, 9, 8]
 

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from paphos.config import ModelConfig, ServerConfig
-from paphos.core.scheduler_output import TokenLogprobs
+from paphos.core.protocol import TokenLogprobs
 from paphos.outputs import CompletionOutput, RequestOutput
 from paphos.sampling_params import ParamError, SamplingParams
 from paphos.server.app import build_app

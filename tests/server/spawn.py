@@ -25,6 +25,13 @@ def free_port() -> int:
 
 @contextmanager
 def spawn_server(log_dir: Path, *extra_args: str) -> Iterator[str]:
+    with spawn_server_process(log_dir, *extra_args) as (_, base):
+        yield base
+
+
+@contextmanager
+def spawn_server_process(log_dir: Path, *extra_args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """The server's process and base URL, once /health answers 200."""
     port = free_port()
     log_path = log_dir / "server.log"
     cmd = [sys.executable, "-m", "paphos", "run", "--port", str(port), "--served-model-name", NAME, "other-name",
@@ -45,7 +52,7 @@ def spawn_server(log_dir: Path, *extra_args: str) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not ready after 600 s:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
-        yield base
+        yield proc, base
     finally:
         proc.terminate()
         try:

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request
 
-from paphos.core.scheduler_output import TokenLogprobs
+from paphos.core.protocol import TokenLogprobs
 from paphos.outputs import CompletionOutput
 from paphos.server.errors import bad_request
 from paphos.server.openai.streaming import MergedOutputs

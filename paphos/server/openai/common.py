@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from paphos.core.scheduler_output import TokenLogprobs
+from paphos.core.protocol import TokenLogprobs
 from paphos.outputs import CompletionOutput
 from paphos.sampling_params import SamplingParams
 from paphos.server.errors import bad_request

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from paphos.core.scheduler_output import TokenLogprobs
+from paphos.core.protocol import TokenLogprobs
 
 # Tokens of left context used to decode one token; enough for SentencePiece spaces and for UTF-8
 # sequences split over up to four byte tokens.
