@@ -101,7 +101,9 @@ def _online_softmax_step(s, m_i, l_i, acc, v):
 # ------------------------------------------------------------------------------------------ decode
 
 
-@triton.jit
+# The block-table row stride is the widest table of the step: unspecialized, so a new width never
+# compiles a new variant in the middle of serving (a ~1 s stall of every stream).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr,
     out_ptr,
@@ -376,7 +378,7 @@ def paged_attention_decode(
 
 # The sequence count changes every step: specialising on its value (== 1, % 16) would recompile
 # the kernel mid-serving, a stall of a second or more, the first time a step has an unseen kind.
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     out_ptr,

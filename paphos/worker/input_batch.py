@@ -171,7 +171,13 @@ class DeviceUploader:
         if self.device.type == "cpu":
             return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
         sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        # Every array starts 16-byte aligned in the buffer: Triton specializes kernels on their
+        # pointers' alignment, so views at batch-size-dependent offsets would compile new kernel
+        # variants in the middle of serving (~1 s each, every stream stalled).
+        align = max(1, 16 // np.dtype(dtype).itemsize)
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum([-(-n // align) * align for n in sizes], out=offsets[1:])
+        total = int(offsets[-1])
         previous_copy = self._copied.get(dtype)
         if previous_copy is not None:
             previous_copy.synchronize()
@@ -181,12 +187,11 @@ class DeviceUploader:
             staging = torch.from_numpy(np.zeros(grown, dtype=dtype)).pin_memory()
             self._staging[dtype] = staging
         host = staging.numpy()
-        offset = 0
-        for a, n in zip(arrays, sizes, strict=True):
-            host[offset : offset + n] = a.ravel()
-            offset += n
+        for a, start, n in zip(arrays, offsets.tolist(), sizes, strict=False):
+            host[start : start + n] = a.ravel()
         flat = staging[:total].to(self.device, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._copied[dtype] = event
-        return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays, strict=True)]
+        return [flat[start : start + n].view(a.shape) for a, start, n in zip(arrays, offsets.tolist(), sizes,
+                                                                             strict=False)]

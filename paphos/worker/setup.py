@@ -24,6 +24,7 @@ from paphos.tokenizer import Tokenizer
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
 from paphos.worker.profiling import profile_kv_budget
+from paphos.worker.warmup import warm_up_mixed_steps
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ def load_worker(config: EngineConfig) -> Worker:
     )
     if graphs:
         runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
+    if device.type == "cuda":
+        warm_up_mixed_steps(runner, num_blocks, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
     return Worker(
         config=config,
         tokenizer=source.tokenizer,
