@@ -54,7 +54,6 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.sampling_inputs = sampling_inputs or SamplingInputs()
-        self.eos_token_id = eos_token_id
         # Ids that stop it like EOS (the model's other end-of-generation ids), unless ignore_eos.
         self.eos_token_ids = frozenset(
             () if sampling_params.ignore_eos else (*extra_eos_token_ids, *(() if eos_token_id is None else (eos_token_id,)))

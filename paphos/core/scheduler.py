@@ -338,11 +338,10 @@ class Scheduler:
         return outputs
 
     def stats(self) -> SchedulerStats:
-        pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_usage=self.kv_cache_manager.usage,
+            num_running=self.num_running, num_waiting=self.num_waiting, kv_usage=self.kv_usage,
             num_used_blocks=self.num_used_blocks, num_preemptions=self.num_preemptions_total,
-            prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
         )
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

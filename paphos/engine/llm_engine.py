@@ -44,14 +44,6 @@ class LLMEngine:
     def output_processor(self) -> OutputProcessor:
         return self.frontend.output_processor
 
-    @property
-    def vocab_size(self) -> int:
-        return self.core.info.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.info.max_model_len
-
     def add_request(
         self,
         request_id: str,

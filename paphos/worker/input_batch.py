@@ -73,7 +73,7 @@ def apply_scheduler_diffs(states: dict[str, RequestState], out: SchedulerOutput)
             num_computed_tokens=new.num_computed_tokens,
             position_bans=new.position_bans,
             sampler_row=sampler_row(params),
-            stateless=stateless(params) and new.sampling_inputs.grammar is None,
+            stateless=stateless(params),
         )
     for cached in out.scheduled_cached_reqs:
         state = states[cached.req_id]
