@@ -11,6 +11,11 @@ when no request is left. Each message out is two frames: a kind, then the body:
     OUTPUTS an `EngineCoreOutputs` (msgspec msgpack)
     DIED    a UTF-8 message, when the loop raised; the process then exits non-zero
 
+`PAPHOS_STEP_TRACE=FILE` makes the loop append one JSON line per step to FILE: when the step
+began, its duration, the inputs taken before it, the rows it sampled, the requests it scheduled
+for the first time and the scheduler's queue lengths. It is how a load's step pattern is read
+(which steps carried prefills, how arrivals spread over steps), at the cost of one line write.
+
 Lifecycle: the process dies with its parent (PR_SET_PDEATHSIG on Linux, and a parent-pid check
 while idle), ignores SIGINT (Ctrl-C reaches the whole process group; the API process decides
 how to stop) and exits on SIGTERM.
@@ -19,19 +24,21 @@ how to stop) and exits on SIGTERM.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import pickle
 import signal
 import sys
+import time
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import msgspec
 import zmq
 
 from paphos.config import EngineConfig
-from paphos.core.protocol import CoreInput
+from paphos.core.protocol import CoreInput, EngineCoreOutputs
 
 if TYPE_CHECKING:
     from paphos.engine.core import EngineCore
@@ -83,6 +90,8 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent
     encoder = msgspec.msgpack.Encoder()
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    trace_path = os.environ.get("PAPHOS_STEP_TRACE")
+    trace = open(trace_path, "a", buffering=1, encoding="utf-8") if trace_path else None  # noqa: SIM115
     while True:
         if not core.has_unfinished_requests():
             while not poller.poll(_IDLE_POLL_MS):
@@ -98,13 +107,25 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent
             core.handle(decoder.decode(frame.buffer))
             handled += 1
         if core.has_unfinished_requests():
+            began = time.monotonic()
             step_outputs = core.step()
+            if trace is not None:
+                _trace_step(trace, began, handled, step_outputs)
             idle = not core.has_unfinished_requests()
             if step_outputs.req_ids or step_outputs.first_scheduled or step_outputs.rolled_back or idle:
                 outputs.send_multipart([OUTPUTS, encoder.encode(step_outputs)], copy=False)
         elif handled:
             # The last requests were finished from outside (aborts): the API's gauges must see it.
             outputs.send_multipart([OUTPUTS, encoder.encode(core.idle_outputs())], copy=False)
+
+
+def _trace_step(trace: IO[str], began: float, handled: int, outputs: EngineCoreOutputs) -> None:
+    stats = outputs.stats
+    trace.write(json.dumps({
+        "t": round(began, 6), "ms": round((outputs.timestamp - began) * 1e3, 3), "inputs": handled,
+        "sampled": len(outputs.req_ids), "new": len(outputs.first_scheduled),
+        "running": stats.num_running if stats else None, "waiting": stats.num_waiting if stats else None,
+    }) + "\n")
 
 
 def _die_with_parent() -> None:

@@ -11,7 +11,10 @@ first iteration, as the engine's own validation would).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from unittest import mock
 
 import pytest
 from starlette.testclient import TestClient
@@ -36,8 +39,12 @@ def client(engine: FakeEngine):
 
 @pytest.fixture(scope="session")
 def spawned_server(tmp_path_factory: pytest.TempPathFactory):
-    """One real server (default model) shared by every test that needs HTTP end to end."""
+    """One real server (default model) shared by every test that needs HTTP end to end. Its engine
+    core writes its step trace (PAPHOS_STEP_TRACE) to `step_trace.jsonl` in the log directory."""
     from tests.server.spawn import spawn_server
 
-    with spawn_server(tmp_path_factory.mktemp("server")) as base:
+    log_dir = tmp_path_factory.mktemp("server")
+    with contextlib.ExitStack() as stack:
+        with mock.patch.dict(os.environ, {"PAPHOS_STEP_TRACE": str(log_dir / "step_trace.jsonl")}):
+            base = stack.enter_context(spawn_server(log_dir))
         yield base

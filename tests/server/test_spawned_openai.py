@@ -7,7 +7,9 @@ walking away mid-stream does not hurt the next request.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -125,3 +127,15 @@ def test_tokenize_roundtrip(server):
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 2048
     text = httpx.post(f"{server}/v1/detokenize", json={"model": NAME, "tokens": tokens["tokens"]}).json()
     assert text["prompt"].endswith("Hello world")
+
+
+def test_engine_core_step_trace_shows_the_request(client, server, tmp_path_factory):
+    """PAPHOS_STEP_TRACE (set by the spawned_server fixture): one JSON line per core step, and a
+    request's steps are there: one that scheduled it, then one per generated token."""
+    trace = next(Path(tmp_path_factory.getbasetemp()).glob("server*/step_trace.jsonl"))
+    before = len(trace.read_text().splitlines())
+    client.completions.create(model=NAME, prompt="Count: 1, 2,", max_tokens=5, temperature=0)
+    steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]
+    assert {"t", "ms", "inputs", "sampled", "new", "running", "waiting"} <= set(steps[0])
+    assert sum(s["new"] for s in steps) >= 1 and sum(s["sampled"] for s in steps) >= 5
+    assert all(s["ms"] > 0 for s in steps) and [s["t"] for s in steps] == sorted(s["t"] for s in steps)
