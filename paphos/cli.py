@@ -156,8 +156,14 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
          help='CORS headers as a JSON list (default ["*"])')
     _add(auth, "--allow-credentials", action="store_true", help="CORS: allow credentials")
     mdl = parser.add_argument_group("model")
-    _add(mdl, "--model", help="HF-style directory, .gguf file (or first shard) or repo id")
-    _add(mdl, "--tokenizer", help="tokenizer location (default: the model's)")
+    _add(mdl, "--model", help="HF-style directory, .gguf file (or first shard), or a Hugging Face repo id: "
+         "org/name, org/name:Q4_K_M (the GGUF file with that quant tag) or org/name/FILE.gguf")
+    _add(mdl, "--tokenizer", help="tokenizer location, a path or repo id like --model (default: the model's)")
+    _add(mdl, "--revision", metavar="REV", help="branch, tag or commit of a repo-id model (default: main)")
+    _add(mdl, "--tokenizer-revision", metavar="REV", help="branch, tag or commit of a repo-id --tokenizer")
+    _add(mdl, "--download-dir", metavar="DIR",
+         help="Hugging Face cache to download repo-id models into (default: $HF_HUB_CACHE, ~/.cache/huggingface/hub); "
+              "HF_TOKEN authenticates, HF_HUB_OFFLINE=1 uses the cache only")
     _add(mdl, "--dtype", default="auto", help=f"weight/activation dtype: {', '.join(DTYPES)} (default auto)")
     _add(mdl, "--max-model-len", type=parse_max_model_len, default=None, metavar="LEN",
          help="context length: 4096, 32k (=32000), 32K (=32768), -1 or auto (default: from the model config)")
@@ -289,6 +295,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         chat_template=_chat_template(args.chat_template), max_logprobs=args.max_logprobs, device=args.device,
         enforce_eager=args.enforce_eager, gguf_numerics=args.gguf_numerics,
         attention_backend=args.attention_backend, quantization=args.quantization,
+        revision=args.revision, tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir,
     )
     cache = CacheConfig(
         block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -374,13 +381,15 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before the configs: building them may download a model (a repo id, the bundled default),
+    # and those steps log what they fetch.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args = parse_args(argv)
         engine_config, server_config = build_configs(args)
     except ConfigError as exc:
         print(f"paphos: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return _serve(engine_config, server_config)
 
 

@@ -42,6 +42,11 @@ class ModelConfig:
     # auto: Triton paged kernels on a GPU, the torch reference elsewhere.
     attention_backend: str = "auto"
     quantization: str | None = None
+    # Hugging Face repo ids in `model` / `tokenizer` (paphos/loader/hub.py): the branch, tag or
+    # commit of each, and the cache to download into (None: huggingface_hub's own).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -63,7 +68,28 @@ class ModelConfig:
             )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+        self._resolve_hub_ids()
         self._check_quantization()
+
+    def _resolve_hub_ids(self) -> None:
+        """Repo ids become local paths here, once, in the process that reads the flags: the engine
+        core (another process) and the loader only ever see paths, and a repo that cannot be had
+        is a ConfigError at start-up. A no-op for local paths, so `dataclasses.replace` is cheap."""
+        from paphos.loader.hub import resolve_model, resolve_tokenizer
+
+        model = resolve_model(
+            self.model, revision=self.revision, download_dir=self.download_dir, load_format=self.load_format
+        )
+        tokenizer = self.tokenizer and resolve_tokenizer(
+            self.tokenizer, revision=self.tokenizer_revision, download_dir=self.download_dir
+        )
+        # Frozen, but still being validated: nothing has read this config yet. Clients keep
+        # seeing the id that was typed, not a cache path.
+        if model != self.model:
+            object.__setattr__(self, "served_model_name", self.served_model_name or (self.model,))
+            object.__setattr__(self, "model", model)
+        if tokenizer != self.tokenizer:
+            object.__setattr__(self, "tokenizer", tokenizer)
 
     def _check_quantization(self) -> None:
         """--quantization names a format we have and, when the model path exists, its own."""
