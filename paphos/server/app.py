@@ -27,6 +27,7 @@ from paphos.server.errors import BodySizeLimitMiddleware, error_response, instal
 from paphos.server.kobold.jobs import KoboldJobs
 from paphos.server.metrics import build_registry, log_stats_forever
 from paphos.server.openai import chat, completions, models, tokenize
+from paphos.server.openapi import install_openapi
 from paphos.server.state import EngineClient, ServerState, get_state
 from paphos.version import __version__
 
@@ -100,6 +101,7 @@ def build_app(
     for module in (completions, chat, models, tokenize, kobold, metrics):
         app.include_router(module.router)
     app.state.metrics_registry = build_registry(engine, state.model_name)
+    install_openapi(app)
 
     @app.get("/health")
     @app.get("/ping")

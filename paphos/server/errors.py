@@ -1,4 +1,4 @@
-"""Error responses in the contract's superset shape (aphrodite-api.md §2.3), used by every route.
+"""Error responses in the contract's superset shape (docs/api.md §2.3), used by every route.
 
 Anything that goes wrong between the socket and the engine ends here: our own `APIError`,
 `ParamError` from SamplingParams validation, pydantic validation errors (rewritten from 422 to 400
@@ -75,12 +75,16 @@ def route_path(scope: Scope) -> str:
     return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
-def _respond(request: Request, body: dict[str, Any], status: int) -> JSONResponse:
+def _with_detail(scope: Scope, body: dict[str, Any]) -> dict[str, Any]:
     """Kobold routes add `detail` (SillyTavern and Kobold Lite show `detail.msg`, contract §5)."""
-    path = route_path(request.scope)
+    path = route_path(scope)
     if path == "/api" or path.startswith("/api/"):
-        body = {**body, "detail": {"msg": body["message"], "type": body["type"]}}
-    return JSONResponse(body, status_code=status)
+        return {**body, "detail": {"msg": body["message"], "type": body["type"]}}
+    return body
+
+
+def _respond(request: Request, body: dict[str, Any], status: int) -> JSONResponse:
+    return JSONResponse(_with_detail(request.scope, body), status_code=status)
 
 
 def error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
@@ -163,7 +167,9 @@ class _BodyTooLarge(APIError):
     """Raised from `receive`: the route's error handlers answer 413 if the body is being read there."""
 
     def __init__(self, max_bytes: int) -> None:
-        super().__init__(413, f"Request body larger than {max_bytes // (1024 * 1024)} MB.")
+        size = f"{max_bytes // (1024 * 1024)} MB" if max_bytes >= 1024 * 1024 else f"{max_bytes} bytes"
+        super().__init__(413, f"Request body larger than {size}.")
+        self.max_bytes = max_bytes
 
 
 class BodySizeLimitMiddleware:
@@ -179,7 +185,7 @@ class BodySizeLimitMiddleware:
             return
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._send_413(send)
+                await self._send_413(scope, send)
                 return
         received = 0
         started = False
@@ -200,12 +206,14 @@ class BodySizeLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
+        except _BodyTooLarge as exc:
+            # Limits nest (a smaller one for keyless public routes, auth.py): report the one hit.
             if not started:
-                await self._send_413(send)
+                await self._send_413(scope, send, exc.max_bytes)
 
-    async def _send_413(self, send: Send) -> None:
-        response = JSONResponse(api_error_body(_BodyTooLarge(self.max_bytes)), status_code=413)
+    async def _send_413(self, scope: Scope, send: Send, max_bytes: int | None = None) -> None:
+        exc = _BodyTooLarge(self.max_bytes if max_bytes is None else max_bytes)
+        response = JSONResponse(_with_detail(scope, api_error_body(exc)), status_code=413)
         await response({"type": "http"}, _no_receive, send)
 
 

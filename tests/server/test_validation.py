@@ -54,6 +54,12 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "xtc_probability": 2}, 400, "xtc_probability"),
     ({"prompt": "x" * 300}, 400, "prompt"),
     ({"prompt": "hi KVFULL"}, 400, "prompt"),
+    # Beam search is not implemented: refused, not silently sampled.
+    ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    ({"prompt": "hi", "use_beam_search": "true"}, 400, "use_beam_search"),
+    ({"prompt": "hi", "length_penalty": 0.5}, 400, "length_penalty"),
+    ({"prompt": "hi", "early_stopping": True}, 400, "early_stopping"),
+    ({"prompt": "hi", "early_stopping": "never"}, 400, "early_stopping"),
 ]
 
 
@@ -80,6 +86,14 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 100}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}, 400, "use_beam_search"),
+    # OpenAI's content rule: only an assistant message with tool_calls may omit content.
+    ({"messages": [{"role": "user"}]}, 400, "messages.0"),
+    ({"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
+    ({"messages": [{"role": "system"}, {"role": "user", "content": "hi"}]}, 400, "messages.0"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, 400, "messages.1"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}]}, 400, "messages.1"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1"}]}, 400, "messages.1"),
 ]
 
 
@@ -145,6 +159,48 @@ def test_numeric_strings_accepted(client, engine):
     assert (params.max_tokens, params.temperature, params.top_k, params.n, params.seed) == (3, 0.5, 4, 2, 7)
 
 
+@pytest.mark.parametrize(("raw", "param"), [
+    # Found by the fuzzing of test_fuzz.py / its probes; each was a 500 before.
+    (b'{"prompt": "hi", "temperature": NaN}', None),  # Python's json takes NaN and Infinity
+    (b'{"prompt": "hi", "logit_bias": {"5": Infinity}}', None),
+    (b'{"prompt": "hi", "logit_bias": {"5": 1e400}}', None),  # overflows to inf
+    (b"[" * 100_000 + b"]" * 100_000, None),  # RecursionError in the decoder
+    (b'{"prompt": "hi", "seed": 100000000000000000000000000000}', "seed"),  # int64 sampler seeds
+    (b'{"prompt": "hi", "n": 2, "seed": 9223372036854775807}', "seed"),  # seed + 1 for the 2nd sequence
+    (b'{"prompt": "hi", "aphrodite_xargs": {"banned_strings": 5}}', "aphrodite_xargs.banned_strings"),
+    (b'{"prompt": "hi", "aphrodite_xargs": {"banned_strings": [1, {}]}}', "aphrodite_xargs.banned_strings"),
+    (b'{"prompt": "hi", "structured_outputs": {"json": 5}}', "structured_outputs.json"),
+    (b'{"prompt": "hi", "structured_outputs": {"choice": "x"}}', "structured_outputs.choice"),
+    (b'{"prompt": "hi", "temperature": 1e308, "dynatemp_range": 1e308}', None),
+])
+def test_former_server_errors_are_400(client, raw, param):
+    assert_error_shape(client.post("/v1/completions", content=raw), 400, param=param)
+    assert_error_shape(client.post("/api/v1/generate", content=raw), 400)
+
+
+def test_lone_surrogates_are_replaced(client, engine):
+    # A JavaScript string cut inside an emoji: "\ud83d" alone cannot be encoded to UTF-8 (a 500 when
+    # echoed back in an error or tokenized); it reads as U+FFFD, a valid pair as the emoji.
+    r = client.post("/v1/completions", content=b'{"prompt": "a\\ud83d", "model": "x\\udc00", "max_tokens": 1}')
+    assert assert_error_shape(r, 404, param="model")["message"] == "The model `x\ufffd` does not exist."
+    r = client.post("/tokenize", content=b'{"prompt": "a\\ud83d b \\ud83d\\ude00"}')
+    assert r.status_code == 200 and r.json()["tokens"] == [1, ord("a"), ord("?"), ord(" "), ord("b"), ord(" "), ord("?")]
+    assert client.post("/v1/completions", content=b'{"prompt": "\\udfff", "max_tokens": 1}').status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "hi", "seed": 2**63 - 1, "max_tokens": 1}).status_code == 200
+
+
+def test_message_content_rules(client):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "assistant", "content": ""}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    body = assert_error_shape(client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}), 400)
+    assert "content is required for a 'user' message" in body["message"]
+    # /tokenize's chat form follows the same rule.
+    assert_error_shape(client.post("/tokenize", json={"messages": [{"role": "user"}]}), 400, param="messages.0")
+
+
 def test_unknown_and_neutral_fields_ignored(client, engine):
     # A SillyTavern-like settings object: unknown keys and neutral extended samplers.
     body = {
@@ -154,7 +210,7 @@ def test_unknown_and_neutral_fields_ignored(client, engine):
         "xtc_threshold": 0.1, "mirostat_mode": 0, "temperature_last": False, "custom_token_bans": "",
         "banned_strings": [], "sampler_priority": [], "guided_json": {}, "guided_grammar": "", "stop": "",
         "logit_bias": {}, "smoothing_factor": 0, "nsigma": 0, "skew": 0, "ban_eos_token": False,
-        "early_stopping": False, "user": None, "seed": -1, "top_k": -1, "response_format": {"type": "text"},
+        "early_stopping": False, "use_beam_search": False, "length_penalty": 1, "user": None, "seed": -1, "top_k": -1, "response_format": {"type": "text"},
     }
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text

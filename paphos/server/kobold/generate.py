@@ -21,7 +21,7 @@ from paphos.outputs import RequestOutput
 from paphos.sampling_params import SamplingParams
 from paphos.server.errors import APIError, bad_request
 from paphos.server.kobold.jobs import KoboldJob, client_of, get_jobs
-from paphos.server.kobold.protocol import KoboldGenerateRequest, to_completion_request
+from paphos.server.kobold.protocol import KoboldGenerateBody, KoboldGenerateRequest, to_completion_request
 from paphos.server.openai import common
 from paphos.server.openai.logprobs import ChatLogprobs, TokenDecoder, special_token_ids
 from paphos.server.openai.prompts import context_overflow, encode_text
@@ -34,6 +34,7 @@ from paphos.server.openai.streaming import (
     run_until_disconnect,
     sse,
 )
+from paphos.server.openapi import json_body
 from paphos.server.state import ServerState, get_state
 
 v1 = APIRouter()  # mounted at /api/v1 and /api/latest
@@ -127,7 +128,7 @@ async def _start(request: Request, stream: bool) -> tuple[ServerState, _Plan, Ko
     return state, plan, job, job.merged
 
 
-@v1.post("/generate")
+@v1.post("/generate", openapi_extra=json_body(KoboldGenerateBody))
 async def generate(request: Request) -> Response:
     state, plan, job, merged = await _start(request, stream=False)
     jobs = get_jobs(request)
@@ -187,7 +188,7 @@ async def _events(
     yield _event(final)
 
 
-@extra.post("/generate/stream")
+@extra.post("/generate/stream", openapi_extra=json_body(KoboldGenerateBody))
 async def generate_stream(request: Request) -> Response:
     state, plan, job, merged = await _start(request, stream=True)
     try:

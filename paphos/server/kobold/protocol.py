@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError, create_model
 
 from paphos.server.errors import bad_request
-from paphos.server.openai.protocol import CompletionRequest, Int, OpenAIModel
+from paphos.server.openai.protocol import CompletionRequest, Int, OpenAIModel, SamplerFields
 
 
 class KoboldGenerateRequest(OpenAIModel):
@@ -89,6 +89,17 @@ _NOT_SAMPLERS = frozenset(KoboldGenerateRequest.model_fields) | {
     "max_tokens", "echo", "suffix", "stream", "stream_options", "best_of", "add_special_tokens", "model",
     "truncate_prompt_tokens", "prompt_logprobs", "user",
 }
+
+
+# The generate body as the OpenAPI document describes it (openapi.py): the Kobold fields plus every
+# sampler under its canonical name. Documentation only; requests are parsed as described above.
+KoboldGenerateBody = create_model(
+    "KoboldGenerateBody",
+    __base__=KoboldGenerateRequest,
+    __doc__="POST /api/v1/generate and /api/extra/generate/stream (contract §5.1): Kobold fields and samplers.",
+    **{name: (field.annotation, field) for name, field in SamplerFields.model_fields.items()
+       if name not in _NOT_SAMPLERS},  # type: ignore[call-overload]
+)
 
 
 def to_completion_request(

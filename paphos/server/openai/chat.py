@@ -38,6 +38,7 @@ from paphos.server.openai.streaming import (
     run_until_disconnect,
     sse,
 )
+from paphos.server.openapi import json_body
 from paphos.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -124,7 +125,7 @@ def _logprob_formatter(state: ServerState, plan: _Plan) -> ChatLogprobs:
     return ChatLogprobs(decoder, plan.num_top_logprobs or 0)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     state = get_state(request)
     body = await common.parse_body(request, ChatCompletionRequest)

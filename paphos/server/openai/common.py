@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -39,12 +41,57 @@ async def read_json_object(request: Request, *, allow_empty: bool = False) -> di
             return {}
         raise bad_request("The request body is empty; expected a JSON object.")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"Malformed JSON body: {exc}") from None
+    except _NonFinite as exc:
+        raise bad_request(f"Malformed JSON body: {exc}") from None
+    except RecursionError:
+        # Python's decoder recurses per nesting level: a body of 100k `[` would be a 500.
+        raise bad_request("Malformed JSON body: nested too deeply.") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(raw):
+        data = _replace_lone_surrogates(data)
     return data
+
+
+class _NonFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    # Python's json accepts NaN and Infinity, JSON does not; they would reach the samplers as
+    # non-finite logit biases or temperatures.
+    raise _NonFinite(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFinite(f"number {text[:40]} is out of range")
+    return value
+
+
+# A `\uD800`-`\uDFFF` escape: the only way a JSON text can carry a lone UTF-16 surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _replace_lone_surrogates(value: Any) -> Any:
+    """Lone surrogates (JSON escapes a UTF-8 body cannot otherwise carry) -> U+FFFD.
+
+    json.loads joins valid pairs, so what is left is unpaired: a JavaScript client's string cut in
+    the middle of an emoji. Such a str cannot be encoded to UTF-8 (tokenizer, logs, the response
+    echoing it), so it is replaced as a UTF-8 decoder replaces a broken sequence.
+    """
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_replace_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_replace_lone_surrogates(k): _replace_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -73,6 +120,32 @@ def check_generation_fields(body: SamplerFields, state: ServerState) -> None:
         raise bad_request("best_of must equal n when streaming (the best choices are known only at the end)", "best_of")
     if body.stream and body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not available with stream", "prompt_logprobs")
+    _refuse_beam_search(body)
+    _check_seed(body)
+
+
+# Seeds go to the sampler as signed 64-bit integers, one per sequence (seed + sequence index).
+_SEED_MAX = 2**63 - 1
+
+
+def _check_seed(body: SamplerFields) -> None:
+    if body.seed is None or body.seed == -1:
+        return
+    sequences = max(body.n, body.best_of or 0)
+    if not -(2**63) <= body.seed <= _SEED_MAX - (sequences - 1):
+        raise bad_request(f"seed must be a signed 64-bit integer, got {body.seed}", "seed")
+
+
+def _refuse_beam_search(body: SamplerFields) -> None:
+    """Beam search is not implemented: asking for it is a 400, never a silent fallback to sampling."""
+    if body.use_beam_search:
+        raise bad_request("use_beam_search is not available on this server", "use_beam_search")
+    if body.length_penalty is not None and body.length_penalty != 1.0:
+        raise bad_request("length_penalty only applies to beam search, which is not available on this server",
+                          "length_penalty")
+    if body.early_stopping not in (None, False):
+        raise bad_request("early_stopping only applies to beam search, which is not available on this server",
+                          "early_stopping")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -35,6 +35,7 @@ from paphos.server.openai.streaming import (
     run_until_disconnect,
     sse,
 )
+from paphos.server.openapi import json_body
 from paphos.server.state import EngineClient, ServerState, get_state
 
 router = APIRouter()
@@ -129,7 +130,7 @@ def _logprob_formatter(state: ServerState, plan: _Plan, prompt: _Prompt) -> Comp
     return CompletionLogprobs(decoder, body.logprobs or 0)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     state = get_state(request)
     body = await common.parse_body(request, CompletionRequest)

@@ -9,6 +9,7 @@ context length) are checked later, in the route modules and `sampling.py`.
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any
 
 from pydantic import (
@@ -149,6 +150,12 @@ class SamplerFields(OpenAIModel):
     structured_outputs: dict[str, Any] | None = None
     grammar: str | None = None
     aphrodite_xargs: dict[str, Any] | None = None
+    # Beam search (vLLM's fields): not implemented. Read only so that a request asking for it is
+    # refused (common.check_generation_fields) instead of silently sampled; the neutral values
+    # SillyTavern sends (`early_stopping: false`) pass.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -191,6 +198,10 @@ class SamplerFields(OpenAIModel):
             except (TypeError, ValueError):
                 return data
             if r > 0:
+                if not math.isfinite(t + r):
+                    # The sum overflows (or a bound was NaN/inf): a 400 on the range, not an
+                    # infinite temperature handed to the sampler.
+                    raise ValueError(f"dynatemp_range {r} around temperature {t} is out of range")
                 data["dynatemp_min"], data["dynatemp_max"] = max(0.0, t - r), t + r
         return data
 
@@ -241,6 +252,19 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # OpenAI's rule: every message needs content except an assistant message that carries
+        # tool calls (or the legacy function_call). Without it a template renders an empty turn.
+        if self.content is not None:
+            return self
+        extra = self.model_extra or {}
+        if self.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+            return self
+        raise ValueError(
+            f"content is required for a {self.role!r} message (only an assistant message with tool_calls may omit it)"
+        )
 
 
 class ChatCompletionRequest(SamplerFields):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from paphos.sampling_params import ParamError, SamplingParams
 from paphos.server.openai.protocol import SamplerFields
 
@@ -32,6 +34,22 @@ _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 assert set(_EXTENDED) <= _PARAM_FIELDS
 # structured_outputs keys -> guided fields.
 _STRUCTURED = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+# The types the guided_* fields have in protocol.py: structured_outputs and aphrodite_xargs are free
+# objects, so their members are checked here before they reach SamplingParams.
+_TYPES: dict[str, TypeAdapter[Any]] = {
+    "guided_json": TypeAdapter(dict[str, Any] | str), "guided_regex": TypeAdapter(str),
+    "guided_choice": TypeAdapter(list[str]), "guided_grammar": TypeAdapter(str),
+    "banned_strings": TypeAdapter(list[str]), "banned_strings_case_sensitive": TypeAdapter(bool),
+}
+
+
+def _typed(field: str, target: str, value: Any) -> Any:
+    try:
+        return _TYPES[target].validate_python(value)
+    except ValidationError:
+        expected = {"guided_json": "an object or a string", "guided_choice": "a list of strings",
+                    "banned_strings": "a list of strings", "banned_strings_case_sensitive": "a boolean"}
+        raise ParamError(field, f"{field} must be {expected.get(target, 'a string')}, got {value!r:.80}") from None
 
 
 def _extended_kwargs(req: SamplerFields) -> dict[str, Any]:
@@ -44,14 +62,17 @@ def _extended_kwargs(req: SamplerFields) -> dict[str, Any]:
         if key == "json_object":
             kwargs.setdefault("response_format", {"type": "json_object"})
         elif key in _STRUCTURED:
-            kwargs.setdefault(_STRUCTURED[key], value)
+            kwargs.setdefault(_STRUCTURED[key], _typed(f"structured_outputs.{key}", _STRUCTURED[key], value))
         else:
             raise ParamError("structured_outputs", f"unknown structured_outputs key {key!r}")
     xargs = req.aphrodite_xargs or {}
-    if "banned_strings" not in kwargs and xargs.get("banned_strings"):
-        kwargs["banned_strings"] = list(xargs["banned_strings"])
-    if "banned_strings_case_sensitive" not in kwargs and "banned_strings_case_sensitive" in xargs:
-        kwargs["banned_strings_case_sensitive"] = bool(xargs["banned_strings_case_sensitive"])
+    if "banned_strings" not in kwargs and xargs.get("banned_strings") not in (None, "", [], {}):
+        kwargs["banned_strings"] = _typed("aphrodite_xargs.banned_strings", "banned_strings", xargs["banned_strings"])
+    if "banned_strings_case_sensitive" not in kwargs and xargs.get("banned_strings_case_sensitive") is not None:
+        kwargs["banned_strings_case_sensitive"] = _typed(
+            "aphrodite_xargs.banned_strings_case_sensitive", "banned_strings_case_sensitive",
+            xargs["banned_strings_case_sensitive"],
+        )
     return kwargs
 
 

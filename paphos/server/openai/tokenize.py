@@ -15,13 +15,14 @@ from paphos.server.errors import bad_request
 from paphos.server.openai import common
 from paphos.server.openai.prompts import check_token_ids, encode_text, render_chat
 from paphos.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from paphos.server.openapi import json_body
 from paphos.server.state import get_state
 
 router = APIRouter()
 
 
-@router.post("/v1/tokenize")
-@router.post("/tokenize")
+@router.post("/v1/tokenize", openapi_extra=json_body(TokenizeRequest))
+@router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict[str, Any]:
     state = get_state(request)
     body = await common.parse_body(request, TokenizeRequest)
@@ -48,8 +49,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": token_strs}
 
 
-@router.post("/v1/detokenize")
-@router.post("/detokenize")
+@router.post("/v1/detokenize", openapi_extra=json_body(DetokenizeRequest))
+@router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict[str, Any]:
     state = get_state(request)
     body = await common.parse_body(request, DetokenizeRequest)
