@@ -19,6 +19,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps koboldapi==0.5.4
 	# The H200 image's triton, beside ours: tests compile the kernels for sm_90 with both.
 	$(PY) -m pip install --quiet --no-deps --target $(VENV)/triton-3.6 triton==3.6.0
+	# A real nginx for tests/deploy (Paphos instances behind deploy/nginx/paphos.conf), from Debian
+	# where we are root with apt; never fatal, since without it those tests skip. nginx-light is
+	# bookworm's small build; later releases only have nginx. (Where an init system runs, Debian
+	# starts the package's default site on port 80.)
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { [ "$$(id -u)" = 0 ] \
+	  && command -v apt-get >/dev/null 2>&1 && apt-get update -qq \
+	  && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null \
+	       || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; } \
+	  || echo "nginx not installed (needs root and apt): tests/deploy will skip"; }
 	touch $(STAMP)
 
 install: $(STAMP)

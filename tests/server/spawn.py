@@ -4,12 +4,13 @@ that talk to a real server over HTTP."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -29,34 +30,76 @@ def spawn_server(log_dir: Path, *extra_args: str) -> Iterator[str]:
         yield base
 
 
-@contextmanager
-def spawn_server_process(log_dir: Path, *extra_args: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """The server's process and base URL, once /health answers 200."""
+def _launch(log_dir: Path, extra_args: Sequence[str], new_session: bool) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    log_path = log_dir / "server.log"
     cmd = [sys.executable, "-m", "paphos", "run", "--port", str(port), "--served-model-name", NAME, "other-name",
            "--max-model-len", "2048", "--cpu-kv-cache-gb", "1", "--disable-log-requests", *extra_args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
+    with open(log_dir / "server.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], base: str, log_path: Path) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready after 600 s:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen[bytes], new_session: bool) -> None:
+    proc.terminate()
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready after 600 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if new_session:
+        # The server may have been killed before it could stop its engine core (a test's SIGKILL
+        # of one process, say); the session is the whole instance, so nothing of it outlives us.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@contextmanager
+def spawn_server_process(
+    log_dir: Path, *extra_args: str, new_session: bool = False,
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """The server's process and base URL, once /health answers 200.
+
+    `new_session` starts it in its own session (and process group, whose id is the server's
+    pid), so a test can kill the whole instance, engine core included, with `os.killpg`.
+    """
+    proc, base = _launch(log_dir, extra_args, new_session)
+    try:
+        _wait_ready(proc, base, log_dir / "server.log")
         yield proc, base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc, new_session)
+
+
+@contextmanager
+def spawn_server_processes(
+    log_dirs: Sequence[Path], *extra_args: str, new_session: bool = False,
+) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+    """Several servers (one per log directory), started together so their model loads overlap,
+    yielded once every one answers /health with 200."""
+    with ExitStack() as stack:
+        started = []
+        for log_dir in log_dirs:
+            proc, base = _launch(log_dir, extra_args, new_session)
+            stack.callback(_stop, proc, new_session)
+            started.append((proc, base))
+        for (proc, base), log_dir in zip(started, log_dirs, strict=True):
+            _wait_ready(proc, base, log_dir / "server.log")
+        yield started
