@@ -2,7 +2,8 @@
 # 127.0.0.1:2242) and `make test`. Both create the virtual environment on first use.
 VENV ?= .venv
 PYTHON ?= python3
-# The CPU build of torch (on disk on our CI machines); set TORCH_SPEC=torch for a CUDA machine.
+# The torch release the suite runs against. CI machines have its CPU build on disk, which pip
+# takes there; elsewhere pip takes PyPI's CUDA build unless the CPU index comes first (README, Tests).
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

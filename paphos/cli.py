@@ -31,6 +31,7 @@ from paphos.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from paphos.version import __version__
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # Contract §1.2: the env var gives the key only when --api-keys is absent; --admin-key wins over its.
@@ -209,6 +210,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paphos", description="Paphos LLM server (Aphrodite-compatible).")
+    parser.add_argument("--version", action="version", version=f"paphos {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{run,serve}")
     run = commands.add_parser(
         "run", aliases=["serve"], help="start the OpenAI-compatible server",

@@ -2,7 +2,7 @@
 
 Built by the HTTP layer (or by the user of `paphos.LLM`) and validated here, once; the engine
 trusts it afterwards. Field names and defaults follow the Aphrodite contract
-(`shared/reference/aphrodite-api.md` §3-§4); the client spellings SillyTavern sends (seed -1,
+(`docs/api.md` §3-§4); the client spellings SillyTavern sends (seed -1,
 `custom_token_bans` as a comma string, `dry_sequence_breakers` as a JSON string) are accepted here
 too, so every API front end can pass them through. A violation raises `ParamError` naming the
 field, which the server turns into a 400 with `param` set.

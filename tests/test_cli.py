@@ -188,3 +188,22 @@ def test_yaml_auth_flags(tmp_path):
     path.write_text('api_keys: k1\nallowed_origins: \'["https://x.example"]\'\nadmin-key: adm\n')
     _, server = cli.build_configs(cli.parse_args(["run", "m.gguf", "--config", str(path)]))
     assert server.api_keys == ("k1",) and server.allowed_origins == ("https://x.example",) and server.admin_key == "adm"
+
+
+def test_version_has_one_source():
+    """`paphos --version`, GET /version and the package metadata all come from paphos/version.py."""
+    import tomllib
+    from pathlib import Path
+
+    from starlette.testclient import TestClient
+
+    from paphos.version import __version__
+    from tests.server.fakes import FakeEngine, make_app
+
+    out = subprocess.run([sys.executable, "-m", "paphos", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"paphos {__version__}"
+    with TestClient(make_app(FakeEngine())) as client:
+        assert client.get("/version").json() == {"version": __version__}
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "paphos.version.__version__"}
