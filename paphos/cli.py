@@ -125,6 +125,9 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
          help="names accepted in `model`; the first is echoed in responses (default: the model path)")
     _add(srv, "--uvicorn-log-level", default="info", choices=LOG_LEVELS, help="uvicorn log level (default info)")
     _add(srv, "--disable-log-requests", action="store_true", help="do not log each request")
+    _add(srv, "--max-num-waiting", type=int, default=1024, metavar="N",
+         help="requests admitted but not yet started, at most; more get 429 with Retry-After (default 1024, "
+              "-1: no bound)")
     _add(srv, "--return-tokens-as-token-ids", action="store_true",
          help="spell logprob tokens as `token_id:N` (for tokens that are not valid text)")
     _add(srv, "--disable-log-stats", action="store_true", help="no stats line (tokens/s, requests, KV use) every 10 s")
@@ -322,6 +325,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         kobold_default_max_length=args.kobold_default_max_length, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
+        max_num_waiting=None if args.max_num_waiting == -1 else args.max_num_waiting,
     )
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler), server
 
@@ -359,7 +363,7 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         if server is not None:
             asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
 
-    engine = AsyncEngine(engine_config, on_dead=on_dead)
+    engine = AsyncEngine(engine_config, on_dead=on_dead, max_num_waiting=server_config.max_num_waiting)
     app = build_app(engine, server_config, engine_config.model.served_names, on_engine_failure=on_load_failure)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.uvicorn_log_level,

@@ -196,6 +196,8 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     # Upper bound on n / best_of per request: a guard against one request occupying the engine.
     max_n: int = 128
+    # Requests admitted but not yet scheduled, at most; more are refused with 429 + Retry-After.
+    max_num_waiting: int | None = 1024
     # Auth (contract §2.1): user keys for /v1/* and /api/*, the admin key for admin routes. Kept
     # out of repr so a logged config never shows them.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -226,6 +228,8 @@ class ServerConfig:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if any(not key for key in self.api_keys):
             raise ConfigError("--api-keys: a key must not be empty")
+        if self.max_num_waiting is not None and self.max_num_waiting < 1:
+            raise ConfigError(f"--max-num-waiting must be >= 1 (or -1 for no bound), got {self.max_num_waiting}")
         if self.admin_key == "":
             raise ConfigError("--admin-key must not be empty")
         if self.max_log_len is not None and self.max_log_len < 0:

@@ -66,6 +66,12 @@ class EngineDeadError(RuntimeError):
     """The engine core died; every pending and future request fails with this."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The admission queue is full (`max_num_waiting` requests not yet scheduled): the server
+    answers 429 with Retry-After instead of letting the queue, and every queued request's wait,
+    grow without bound."""
+
+
 @dataclass
 class RequestStats:
     """What the engine saw of one client request, once it finished or was aborted.
@@ -137,9 +143,18 @@ class _Tracker:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, on_dead: Callable[[BaseException], None] | None = None) -> None:
-        """`on_dead(error)` runs on the event loop if the core process dies after it was ready."""
+    def __init__(
+        self, config: EngineConfig, on_dead: Callable[[BaseException], None] | None = None,
+        max_num_waiting: int | None = None,
+    ) -> None:
+        """`on_dead(error)` runs on the event loop if the core process dies after it was ready.
+        `max_num_waiting`: new requests are refused (EngineOverloadedError) while that many sent
+        to the core have not been scheduled yet; None admits without bound."""
         self.config = config
+        self.max_num_waiting = max_num_waiting
+        # Core request ids sent and not yet scheduled (first_scheduled) nor finished: the queue
+        # as the API process knows it, current to the last step's outputs.
+        self._unscheduled: set[str] = set()
         self.is_ready = False
         self.errored = False
         self.error: BaseException | None = None
@@ -325,6 +340,11 @@ class AsyncEngine:
         if self.errored:
             raise EngineDeadError(f"the engine has stopped: {self.error}")
         inputs = self.frontend.validate(prompt_token_ids, params)
+        if self.max_num_waiting is not None and len(self._unscheduled) >= self.max_num_waiting:
+            raise EngineOverloadedError(
+                f"The server is at capacity: {len(self._unscheduled)} requests are waiting to start "
+                f"(--max-num-waiting {self.max_num_waiting}). Retry later."
+            )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         return self._stream(request_id, prompt_token_ids, params, inputs)
@@ -343,6 +363,7 @@ class AsyncEngine:
         tracker = _Tracker(request_id, len(prompt_token_ids), params, arrival)
         for request in self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival):
             self._send(AddRequest(request))
+            self._unscheduled.add(request.request_id)
         finished = False
         failed = False
         pending_error: BaseException | None = None
@@ -373,6 +394,7 @@ class AsyncEngine:
         if self._frontend is None or self.errored:
             return
         child_ids = self._frontend.abort_request(request_id)
+        self._unscheduled.difference_update(child_ids)
         if child_ids:
             self._send(FinishRequests(child_ids))
 
@@ -393,6 +415,9 @@ class AsyncEngine:
                 outputs = decoder.decode(body.buffer)
                 if outputs.stats is not None:
                     self._scheduler_stats = outputs.stats
+                if self._unscheduled:
+                    self._unscheduled.difference_update(outputs.first_scheduled)
+                    self._unscheduled.difference_update(outputs.finish_reasons)
                 request_outputs, followups = frontend.process(outputs)
                 for message in followups:
                     self._send(message)

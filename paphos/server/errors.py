@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from paphos.engine.async_engine import EngineOverloadedError
 from paphos.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
@@ -137,6 +139,16 @@ async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
     return _respond(request, validation_error_body(list(exc.errors())), 400)
 
 
+# What a refused client is told to wait: about the time a queue that is draining takes to move.
+OVERLOADED_RETRY_AFTER_S = 1
+
+
+async def _overloaded_handler(request: Request, exc: Exception) -> JSONResponse:
+    response = _respond(request, error_body(429, str(exc)), 429)
+    response.headers["Retry-After"] = str(OVERLOADED_RETRY_AFTER_S)
+    return response
+
+
 async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
@@ -157,6 +169,7 @@ async def _unhandled_handler(request: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(ParamError, _param_error_handler)
+    app.add_exception_handler(EngineOverloadedError, _overloaded_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(ValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)
