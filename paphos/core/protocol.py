@@ -100,6 +100,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
     # received after asking for the rollback were produced before it, and are stale.
     rolled_back: list[str] = msgspec.field(default_factory=list)
     stats: SchedulerStats | None = None
+    # Rows the core finished because their own sampling state failed (`finish_reasons` says
+    # "abort"): the error for that request's client.
+    errors: dict[str, str] = msgspec.field(default_factory=dict)
     # time.monotonic() when the step's results were ready.
     timestamp: float = 0.0
 

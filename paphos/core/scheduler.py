@@ -304,6 +304,13 @@ class Scheduler:
             start = req.num_computed_tokens
             req.num_computed_tokens += num_tokens
             j = row.get(req_id)
+            if req_id in mro.failed:
+                logger.error("request %s failed while sampling: %s", req_id, mro.failed[req_id])
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                any_finished = True
+                outputs.add(req_id, [], [], RequestStatus.FINISHED_ABORTED.finish_reason)
+                outputs.errors[req_id] = f"sampling failed: {mro.failed[req_id]}"
+                continue
             sampled = mro.sampled_token_ids[j] if j is not None else []
             first_tokens = req.num_output_tokens == 0
             new_tokens: list[int] = []

@@ -69,3 +69,7 @@ class ModelRunnerOutput:
     # Per request id, only for requests that asked for `prompt_logprobs`: one entry per prompt
     # position scored in this step's chunk (the first prompt token has no entry).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests whose own sampling state failed this step (a grammar matcher raising): request id
+    # -> what went wrong. The scheduler finishes them aborted and drops their token; the other
+    # rows of the step are unaffected.
+    failed: dict[str, str] = field(default_factory=dict)

@@ -168,6 +168,11 @@ class OutputProcessor:
                 entry[0].first_scheduled_time = when
         touched: dict[str, _ClientRequest] = {}
         stopped: list[str] = []
+        for child_id, message in outputs.errors.items():
+            entry = self._sequence_of.get(child_id)
+            if entry is not None:
+                entry[0].error = message
+                stopped += self._abort_siblings(entry[0], child_id)
         for engine_output in outputs:
             entry = self._sequence_of.get(engine_output.req_id)
             if entry is None:
@@ -179,14 +184,22 @@ class OutputProcessor:
                     stopped.append(engine_output.req_id)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the loop
                 request.error = f"{type(exc).__name__}: {exc}"
-                for child_id, seq in zip(self.child_ids(request.request_id), request.sequences, strict=True):
-                    if seq.finish_reason is None:
-                        seq.finish_reason = "abort"
-                        stopped.append(child_id)
+                stopped += self._abort_siblings(request)
         followups, self._followups = self._followups, []
         if stopped:
             followups.append(FinishRequests(stopped, stopped=True))
         return self._collect(touched), followups
+
+    def _abort_siblings(self, request: _ClientRequest, done_id: str | None = None) -> list[str]:
+        """A failed request ends whole: its unfinished sequences are marked aborted; returns the
+        ids of those the core still runs (not `done_id`, which the core already finished)."""
+        running = []
+        for child_id, seq in zip(self.child_ids(request.request_id), request.sequences, strict=True):
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+                if child_id != done_id:
+                    running.append(child_id)
+        return running
 
     def _apply(self, request: _ClientRequest, sequence: _Sequence, eo: EngineOutput) -> bool:
         if sequence.rollback_pending:

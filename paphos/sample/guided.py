@@ -80,6 +80,17 @@ class GuidedState:
         self._make_info = info
         self._info: xgr.TokenizerInfo | None = None
         self._matchers: dict[str, tuple[xgr.GrammarMatcher, list[int]]] = {}
+        # Requests whose matcher raised since the last `take_failures`: request id -> the error.
+        # Their mask rows stay all-allowed; the scheduler finishes them, the batch goes on.
+        self._failures: dict[str, str] = {}
+
+    def take_failures(self) -> dict[str, str]:
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _fail(self, req_id: str, exc: Exception) -> None:
+        self._failures[req_id] = f"guided decoding: {type(exc).__name__}: {exc}"
+        self._matchers.pop(req_id, None)
 
     def drop(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
@@ -94,11 +105,16 @@ class GuidedState:
             return None
         mask = xgr.allocate_token_bitmask(len(guided), vocab_size)
         for i, (_, req_id, grammar, num_output) in enumerate(guided):
-            matcher, accepted = self._matchers.get(req_id) or self._new(req_id, grammar)
-            if len(accepted) > num_output:  # the sequence was rolled back (phrase ban)
-                matcher.rollback(len(accepted) - num_output)
-                del accepted[num_output:]
-            matcher.fill_next_token_bitmask(mask, i)
+            if req_id in self._failures:
+                continue
+            try:
+                matcher, accepted = self._matchers.get(req_id) or self._new(req_id, grammar)
+                if len(accepted) > num_output:  # the sequence was rolled back (phrase ban)
+                    matcher.rollback(len(accepted) - num_output)
+                    del accepted[num_output:]
+                matcher.fill_next_token_bitmask(mask, i)
+            except Exception as exc:  # noqa: BLE001 - confined to this request
+                self._fail(req_id, exc)
         return [r[0] for r in guided], mask
 
     def _new(self, req_id: str, grammar: str) -> tuple[xgr.GrammarMatcher, list[int]]:
@@ -111,5 +127,9 @@ class GuidedState:
     def accept(self, req_id: str, token_id: int) -> None:
         entry = self._matchers.get(req_id)
         if entry is not None and not entry[0].is_terminated():
-            entry[0].accept_token(token_id)
+            try:
+                entry[0].accept_token(token_id)
+            except Exception as exc:  # noqa: BLE001 - confined to this request
+                self._fail(req_id, exc)
+                return
             entry[1].append(token_id)

@@ -114,6 +114,7 @@ class ModelRunner:
             if on_graphs and self.decode_lookahead:
                 self._lookahead = self._launch_lookahead(inputs, states, result, metadata)
             self._accept(readback.wait(), states, inputs.sampling_reqs, output)
+            output.failed = self.guided.take_failures()
 
         for batch_idx, (rows, targets) in inputs.prompt_logprob_rows.items():
             assert hidden is not None  # steps with prompt logprobs never run on the graphs

@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import xgrammar
 from pydantic import BaseModel, ConfigDict, Field
 
 from paphos.llm import LLM
@@ -94,3 +95,28 @@ def test_guided_choice_composes_with_banned_strings(llm: LLM) -> None:
     texts = generate(llm, "Is the sky blue?", 8, guided_choice=["yes", "no"], banned_strings=["yes"],
                      temperature=1.5)
     assert set(texts) == {"no"}
+
+
+def test_a_failing_grammar_matcher_ends_only_its_own_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar matcher that raises mid-generation ends that request with an error and frees its
+    KV blocks; the request beside it in the same batch runs to its end, token for token as alone."""
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], plain)[0].outputs[0].token_ids
+    accept = xgrammar.GrammarMatcher.accept_token
+    calls = 0
+
+    def breaks_on_the_third_token(self, token_id, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("matcher broke")
+        return accept(self, token_id, *args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.GrammarMatcher, "accept_token", breaks_on_the_third_token)
+    guided = SamplingParams(max_tokens=16, temperature=0, guided_json=SCHEMA)
+    failed, survivor = llm.generate(["Describe a person as JSON:", "Once upon a time"], [guided, plain])
+    assert failed.error is not None and "matcher broke" in failed.error
+    assert failed.outputs[0].finish_reason == "abort" and len(failed.outputs[0].token_ids) == 2
+    assert survivor.error is None and survivor.outputs[0].token_ids == alone
+    kv = llm.engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
