@@ -128,6 +128,12 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(srv, "--max-num-waiting", type=int, default=1024, metavar="N",
          help="requests admitted but not yet started, at most; more get 429 with Retry-After (default 1024, "
               "-1: no bound)")
+    _add(srv, "--request-timeout", type=float, default=None, metavar="S",
+         help="seconds from a request's arrival to its last token, queue included; past it the request is "
+              "aborted (504, or an error event once streaming) (default: no limit)")
+    _add(srv, "--shutdown-timeout", type=float, default=5.0, metavar="S",
+         help="on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before they are aborted; new "
+              "connections are refused at once (default 5)")
     _add(srv, "--return-tokens-as-token-ids", action="store_true",
          help="spell logprob tokens as `token_id:N` (for tokens that are not valid text)")
     _add(srv, "--disable-log-stats", action="store_true", help="no stats line (tokens/s, requests, KV use) every 10 s")
@@ -326,6 +332,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
         max_num_waiting=None if args.max_num_waiting == -1 else args.max_num_waiting,
+        request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout,
     )
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler), server
 
@@ -363,7 +370,10 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         if server is not None:
             asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, setattr, server, "should_exit", True)
 
-    engine = AsyncEngine(engine_config, on_dead=on_dead, max_num_waiting=server_config.max_num_waiting)
+    engine = AsyncEngine(
+        engine_config, on_dead=on_dead, max_num_waiting=server_config.max_num_waiting,
+        request_timeout_s=server_config.request_timeout_s,
+    )
     app = build_app(engine, server_config, engine_config.model.served_names, on_engine_failure=on_load_failure)
     server = uvicorn.Server(uvicorn.Config(
         app, host=server_config.host, port=server_config.port, log_level=server_config.uvicorn_log_level,
@@ -371,7 +381,7 @@ def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         ssl_ca_certs=server_config.ssl_ca_certs, ssl_cert_reqs=server_config.ssl_cert_reqs,
         root_path=server_config.root_path,
         # Open SSE streams would otherwise hold Ctrl-C / SIGTERM until they finish.
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=server_config.shutdown_timeout_s,
     ))
     # uvicorn handles SIGINT / SIGTERM itself (graceful shutdown) and re-raises the signal once it
     # has stopped; the handlers in force then turn that into a clean exit.

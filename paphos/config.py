@@ -198,6 +198,11 @@ class ServerConfig:
     max_n: int = 128
     # Requests admitted but not yet scheduled, at most; more are refused with 429 + Retry-After.
     max_num_waiting: int | None = 1024
+    # Seconds from a request's arrival to its last token, queue included (None: no limit); past
+    # it the request is aborted: 504 before its first token, an error event after.
+    request_timeout_s: float | None = None
+    # On SIGTERM / Ctrl-C: seconds in-flight requests get to finish before they are aborted.
+    shutdown_timeout_s: float = 5.0
     # Auth (contract §2.1): user keys for /v1/* and /api/*, the admin key for admin routes. Kept
     # out of repr so a logged config never shows them.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -228,6 +233,10 @@ class ServerConfig:
             raise ConfigError(f"--port must be in 1..65535, got {self.port}")
         if any(not key for key in self.api_keys):
             raise ConfigError("--api-keys: a key must not be empty")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ConfigError(f"--request-timeout must be > 0 seconds, got {self.request_timeout_s}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if self.max_num_waiting is not None and self.max_num_waiting < 1:
             raise ConfigError(f"--max-num-waiting must be >= 1 (or -1 for no bound), got {self.max_num_waiting}")
         if self.admin_key == "":

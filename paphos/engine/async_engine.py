@@ -72,6 +72,11 @@ class EngineOverloadedError(RuntimeError):
     grow without bound."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran past the server's request timeout (arrival to last token, queue included);
+    the core has been told to abort it, which frees its KV blocks."""
+
+
 @dataclass
 class RequestStats:
     """What the engine saw of one client request, once it finished or was aborted.
@@ -145,13 +150,15 @@ class _Tracker:
 class AsyncEngine:
     def __init__(
         self, config: EngineConfig, on_dead: Callable[[BaseException], None] | None = None,
-        max_num_waiting: int | None = None,
+        max_num_waiting: int | None = None, request_timeout_s: float | None = None,
     ) -> None:
         """`on_dead(error)` runs on the event loop if the core process dies after it was ready.
         `max_num_waiting`: new requests are refused (EngineOverloadedError) while that many sent
-        to the core have not been scheduled yet; None admits without bound."""
+        to the core have not been scheduled yet; None admits without bound. `request_timeout_s`:
+        a request still running that long after it arrived ends with RequestTimeoutError."""
         self.config = config
         self.max_num_waiting = max_num_waiting
+        self.request_timeout_s = request_timeout_s
         # Core request ids sent and not yet scheduled (first_scheduled) nor finished: the queue
         # as the API process knows it, current to the last step's outputs.
         self._unscheduled: set[str] = set()
@@ -369,7 +376,7 @@ class AsyncEngine:
         pending_error: BaseException | None = None
         try:
             while not finished:
-                item, stamp = (pending_error, 0.0) if pending_error is not None else await stream.get()
+                item, stamp = (pending_error, 0.0) if pending_error is not None else await self._next(stream, arrival)
                 if isinstance(item, BaseException):
                     failed = True
                     raise item
@@ -389,6 +396,25 @@ class AsyncEngine:
                 self._abort(request_id)
             if not failed:
                 self._notify(tracker.stats())
+
+    async def _next(
+        self, stream: asyncio.Queue[tuple[RequestOutput | BaseException, float]], arrival: float
+    ) -> tuple[RequestOutput | BaseException, float]:
+        if self.request_timeout_s is None:
+            return await stream.get()
+        # Checked before waiting too: while outputs keep arriving, get() never suspends, and a
+        # timeout only fires at a suspension.
+        remaining = arrival + self.request_timeout_s - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(remaining):
+                return await stream.get()
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"The request did not finish within the server's request timeout ({self.request_timeout_s:g} s, "
+                "--request-timeout); it was aborted."
+            ) from None
 
     def _abort(self, request_id: str) -> None:
         if self._frontend is None or self.errored:

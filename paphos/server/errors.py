@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from paphos.engine.async_engine import EngineOverloadedError
+from paphos.engine.async_engine import EngineOverloadedError, RequestTimeoutError
 from paphos.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ ERROR_TYPES = {
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 
 # Raw request bodies above this are refused before parsing: a 10 MB prompt is legitimate input
@@ -149,6 +150,10 @@ async def _overloaded_handler(request: Request, exc: Exception) -> JSONResponse:
     return response
 
 
+async def _timeout_handler(request: Request, exc: Exception) -> JSONResponse:
+    return _respond(request, error_body(504, str(exc)), 504)
+
+
 async def _http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
@@ -170,6 +175,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error_handler)
     app.add_exception_handler(ParamError, _param_error_handler)
     app.add_exception_handler(EngineOverloadedError, _overloaded_handler)
+    app.add_exception_handler(RequestTimeoutError, _timeout_handler)
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(ValidationError, _validation_handler)
     app.add_exception_handler(StarletteHTTPException, _http_exception_handler)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -38,13 +39,18 @@ def client(engine: FakeEngine):
 
 
 @pytest.fixture(scope="session")
-def spawned_server(tmp_path_factory: pytest.TempPathFactory):
-    """One real server (default model) shared by every test that needs HTTP end to end. Its engine
-    core writes its step trace (PAPHOS_STEP_TRACE) to `step_trace.jsonl` in the log directory."""
+def spawned_server_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared real server's log directory: server.log, and step_trace.jsonl (its engine core's
+    PAPHOS_STEP_TRACE)."""
+    return tmp_path_factory.mktemp("server")
+
+
+@pytest.fixture(scope="session")
+def spawned_server(spawned_server_dir: Path):
+    """One real server (default model) shared by every test that needs HTTP end to end."""
     from tests.server.spawn import spawn_server
 
-    log_dir = tmp_path_factory.mktemp("server")
     with contextlib.ExitStack() as stack:
-        with mock.patch.dict(os.environ, {"PAPHOS_STEP_TRACE": str(log_dir / "step_trace.jsonl")}):
-            base = stack.enter_context(spawn_server(log_dir))
+        with mock.patch.dict(os.environ, {"PAPHOS_STEP_TRACE": str(spawned_server_dir / "step_trace.jsonl")}):
+            base = stack.enter_context(spawn_server(spawned_server_dir))
         yield base

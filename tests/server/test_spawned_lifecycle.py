@@ -43,16 +43,17 @@ def alive(pid: int) -> bool:
 class StreamReader(threading.Thread):
     """Reads one SSE stream in the background, keeping every `data:` payload and when it came."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, body: dict | None = None) -> None:
         super().__init__(daemon=True)
         self.base = base
+        self.body = LONG if body is None else body
         self.events: list[tuple[float, str]] = []
         self.started = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.base}/v1/completions", json=LONG, timeout=60) as response:
+            with httpx.stream("POST", f"{self.base}/v1/completions", json=self.body, timeout=60) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         self.events.append((time.monotonic(), line[6:]))
@@ -113,3 +114,28 @@ def test_sigterm_during_16_streams_stops_both_processes_in_the_grace_period(tmp_
         for reader in readers:
             reader.join(10)
             assert not reader.is_alive()
+
+
+def test_sigterm_lets_in_flight_streams_finish_within_the_shutdown_timeout(tmp_path: Path) -> None:
+    """--shutdown-timeout: after SIGTERM new connections are refused, a stream already running
+    ends normally (every token, [DONE]) when it fits in the deadline, and the server exits 0."""
+    with spawn_server_process(tmp_path, "--shutdown-timeout", "60") as (server, base):
+        reader = StreamReader(base, {**LONG, "max_tokens": 48})
+        reader.start()
+        assert reader.started.wait(60) and reader.events, reader.error
+        server.send_signal(signal.SIGTERM)
+        refused = False
+        deadline = time.monotonic() + 5
+        while not refused and time.monotonic() < deadline:
+            try:
+                httpx.get(f"{base}/health", timeout=1)
+                time.sleep(0.05)
+            except httpx.ConnectError:
+                refused = True
+        assert refused, "the server still accepted connections after SIGTERM"
+        reader.join(60)
+        assert not reader.is_alive() and reader.error is None, reader.error
+        chunks = [json.loads(e) for _, e in reader.events if e != "[DONE]"]
+        assert reader.events[-1][1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) >= 40
+        assert server.wait(30) == 0

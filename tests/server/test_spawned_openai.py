@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -129,10 +128,10 @@ def test_tokenize_roundtrip(server):
     assert text["prompt"].endswith("Hello world")
 
 
-def test_engine_core_step_trace_shows_the_request(client, server, tmp_path_factory):
+def test_engine_core_step_trace_shows_the_request(client, spawned_server_dir):
     """PAPHOS_STEP_TRACE (set by the spawned_server fixture): one JSON line per core step, and a
     request's steps are there: one that scheduled it, then one per generated token."""
-    trace = next(Path(tmp_path_factory.getbasetemp()).glob("server*/step_trace.jsonl"))
+    trace = spawned_server_dir / "step_trace.jsonl"
     before = len(trace.read_text().splitlines())
     client.completions.create(model=NAME, prompt="Count: 1, 2,", max_tokens=5, temperature=0)
     steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]

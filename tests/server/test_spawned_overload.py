@@ -1,10 +1,12 @@
-"""Overload, as a client sees it: past `--max-num-waiting` requests that have not started yet, a
-new request is answered 429 in the OpenAI error shape with Retry-After at once, instead of joining
-a queue that grows without bound; a queued request whose client goes away makes room again."""
+"""Overload and deadlines, as a client sees them: past `--max-num-waiting` requests that have not
+started yet, a new request is answered 429 in the OpenAI error shape with Retry-After at once,
+instead of joining a queue that grows without bound, and a queued request whose client goes away
+makes room again; past `--request-timeout` a request is aborted with a 504."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from pathlib import Path
@@ -57,3 +59,23 @@ async def _scenario(base: str) -> None:
 def test_full_admission_queue_answers_429_and_frees_when_queued_requests_leave(tmp_path: Path) -> None:
     with spawn_server_process(tmp_path, "--max-num-seqs", "1", "--max-num-waiting", "2") as (_, base):
         asyncio.run(_scenario(base))
+
+
+def test_request_timeout_aborts_a_long_request_with_504_or_an_error_event(tmp_path: Path) -> None:
+    """--request-timeout: a request still running past it is aborted (its slot and KV blocks
+    freed): 504 before its first token, an error event with code 504 once it streams."""
+    with (
+        spawn_server_process(tmp_path, "--request-timeout", "4") as (_, base),
+        httpx.Client(base_url=base, timeout=60) as client,
+    ):
+        assert client.post("/v1/completions", json={**LONG, "max_tokens": 1}).status_code == 200
+        started = time.monotonic()
+        late = client.post("/v1/completions", json=LONG)
+        assert late.status_code == 504 and late.json()["error"]["type"] == "TimeoutError"
+        assert 4 <= time.monotonic() - started < 10
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert len(events) > 2 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == 504
+        asyncio.run(_wait_for(httpx.AsyncClient(base_url=base), "running", 0))

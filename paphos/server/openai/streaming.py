@@ -19,6 +19,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from paphos.engine.async_engine import RequestTimeoutError
 from paphos.outputs import RequestOutput
 from paphos.sampling_params import ParamError, SamplingParams
 from paphos.server.errors import APIError, api_error_body, error_body
@@ -40,6 +41,8 @@ def error_event(exc: BaseException) -> str:
         return sse(api_error_body(exc))
     if isinstance(exc, ParamError):
         return sse(error_body(400, str(exc), exc.param))
+    if isinstance(exc, RequestTimeoutError):
+        return sse(error_body(504, str(exc)))
     return sse(error_body(500, f"{type(exc).__name__}: {exc}"))
 
 
