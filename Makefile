@@ -29,6 +29,12 @@ $(STAMP): pyproject.toml
 	  && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light >/dev/null \
 	       || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; } \
 	  || echo "nginx not installed (needs root and apt): tests/deploy will skip"; }
+	# Debian's Chromium for tests/server/test_web_ui.py (Playwright drives it headless; Playwright's own
+	# browser download needs a CDN). Never fatal either: without it those browser tests skip.
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] \
+	  && command -v apt-get >/dev/null 2>&1 && apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+	  || echo "chromium not installed (needs root and apt): tests/server/test_web_ui.py will skip"; }
 	touch $(STAMP)
 
 install: $(STAMP)

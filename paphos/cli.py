@@ -151,6 +151,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(srv, "--root-path", default="", metavar="PATH",
          help="path prefix the server is mounted under behind a reverse proxy (e.g. /paphos)")
     _add(srv, "--disable-fastapi-docs", action="store_true", help="do not serve /docs, /redoc and /openapi.json")
+    _add(srv, "--disable-web-ui", action="store_true", help="do not serve the web page (chat and story modes) at /")
     auth = parser.add_argument_group("auth and CORS")
     _add(auth, "--api-keys", "--api-key", dest="api_keys", nargs="+", metavar="KEY",
          help=f"keys accepted as `Authorization: Bearer KEY` or `X-API-Key: KEY` on /v1 and /api (default: "
@@ -331,6 +332,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         kobold_default_max_length=args.kobold_default_max_length, ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
+        disable_web_ui=args.disable_web_ui,
         max_num_waiting=None if args.max_num_waiting == -1 else args.max_num_waiting,
         request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout,
     )

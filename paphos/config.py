@@ -227,6 +227,8 @@ class ServerConfig:
     root_path: str = ""
     # No /docs, /redoc, /openapi.json.
     disable_fastapi_docs: bool = False
+    # No web page at / (paphos/server/web).
+    disable_web_ui: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

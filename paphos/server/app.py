@@ -21,7 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from paphos.config import ServerConfig
-from paphos.server import kobold, metrics
+from paphos.server import kobold, metrics, web
 from paphos.server.auth import AuthMiddleware
 from paphos.server.errors import BodySizeLimitMiddleware, error_response, install_error_handlers
 from paphos.server.kobold.jobs import KoboldJobs
@@ -100,6 +100,8 @@ def build_app(
 
     for module in (completions, chat, models, tokenize, kobold, metrics):
         app.include_router(module.router)
+    if not server_config.disable_web_ui:
+        app.include_router(web.router)
     app.state.metrics_registry = build_registry(engine, state.model_name)
     install_openapi(app)
 
