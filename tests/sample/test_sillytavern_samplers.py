@@ -10,7 +10,6 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import spawned_server  # noqa: F401 - the shared real-server fixture
 from tests.server.spawn import NAME
 
 PROMPT = "User: Tell me a story about a dragon.\nAssistant:"
@@ -35,7 +34,7 @@ EVERY_FIELD = {
 
 
 @pytest.fixture(scope="module")
-def base(spawned_server: str) -> str:  # noqa: F811 - the imported fixture, by name
+def base(spawned_server: str) -> str:
     return spawned_server
 
 

@@ -11,11 +11,7 @@ first iteration, as the engine's own validation would).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from pathlib import Path
-from unittest import mock
 
 import pytest
 from starlette.testclient import TestClient
@@ -36,21 +32,3 @@ def client(engine: FakeEngine):
                 break
             time.sleep(0.005)
         yield c
-
-
-@pytest.fixture(scope="session")
-def spawned_server_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared real server's log directory: server.log, and step_trace.jsonl (its engine core's
-    PAPHOS_STEP_TRACE)."""
-    return tmp_path_factory.mktemp("server")
-
-
-@pytest.fixture(scope="session")
-def spawned_server(spawned_server_dir: Path):
-    """One real server (default model) shared by every test that needs HTTP end to end."""
-    from tests.server.spawn import spawn_server
-
-    with contextlib.ExitStack() as stack:
-        with mock.patch.dict(os.environ, {"PAPHOS_STEP_TRACE": str(spawned_server_dir / "step_trace.jsonl")}):
-            base = stack.enter_context(spawn_server(spawned_server_dir))
-        yield base
