@@ -412,9 +412,12 @@ function isDark() {
   return theme === "dark" || (theme === "auto" && matchMedia("(prefers-color-scheme: dark)").matches);
 }
 
+// The page's one dark palette is keyed on data-theme="dark": "auto" resolves here, and again when
+// the system's preference changes.
 function applyTheme() {
-  document.documentElement.dataset.theme = $("#theme").value;
+  document.documentElement.dataset.theme = isDark() ? "dark" : "light";
 }
+matchMedia("(prefers-color-scheme: dark)").addEventListener("change", applyTheme);
 
 function setMode(mode) {
   state.mode = mode === "story" ? "story" : "chat";
