@@ -142,8 +142,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
             )
 
 
-class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    request: EngineCoreRequest
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    """The sequences of one client request (n / best_of), in one message: the core drains its
+    input between steps, and sequences sent one by one could land in different steps."""
+
+    requests: list[EngineCoreRequest]
 
 
 class FinishRequests(msgspec.Struct, tag=True, array_like=True):
@@ -163,4 +166,4 @@ class RollbackRequest(msgspec.Struct, tag=True, array_like=True):
     banned_token_id: int
 
 
-CoreInput = AddRequest | FinishRequests | RollbackRequest
+CoreInput = AddRequests | FinishRequests | RollbackRequest

@@ -39,7 +39,7 @@ import zmq.asyncio
 
 from paphos.config import EngineConfig, ModelConfig
 from paphos.core.protocol import (
-    AddRequest,
+    AddRequests,
     CoreInput,
     EngineCoreOutputs,
     FinishRequests,
@@ -368,9 +368,9 @@ class AsyncEngine:
         self._streams[request_id] = stream
         arrival = time.monotonic()
         tracker = _Tracker(request_id, len(prompt_token_ids), params, arrival)
-        for request in self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival):
-            self._send(AddRequest(request))
-            self._unscheduled.add(request.request_id)
+        requests = self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival)
+        self._send(AddRequests(requests))
+        self._unscheduled.update(r.request_id for r in requests)
         finished = False
         failed = False
         pending_error: BaseException | None = None

@@ -14,7 +14,7 @@ import time
 
 from paphos.config import EngineConfig
 from paphos.core.protocol import (
-    AddRequest,
+    AddRequests,
     CoreInput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -48,8 +48,9 @@ class EngineCore:
         )
 
     def handle(self, message: CoreInput) -> None:
-        if isinstance(message, AddRequest):
-            self.add_request(message.request)
+        if isinstance(message, AddRequests):
+            for request in message.requests:
+                self.add_request(request)
         elif isinstance(message, FinishRequests):
             status = RequestStatus.FINISHED_STOPPED if message.stopped else RequestStatus.FINISHED_ABORTED
             self.scheduler.finish_requests(message.request_ids, status)

@@ -138,3 +138,14 @@ def test_engine_core_step_trace_shows_the_request(client, spawned_server_dir):
     assert {"t", "ms", "inputs", "sampled", "new", "running", "waiting"} <= set(steps[0])
     assert sum(s["new"] for s in steps) >= 1 and sum(s["sampled"] for s in steps) >= 5
     assert all(s["ms"] > 0 for s in steps) and [s["t"] for s in steps] == sorted(s["t"] for s in steps)
+
+
+def test_the_sequences_of_one_request_start_in_the_same_step(client, spawned_server_dir):
+    """n = 2: both sequences reach the engine core in one message, so they are scheduled in one
+    step and stream in lockstep (one delivery per step, not two)."""
+    trace = spawned_server_dir / "step_trace.jsonl"
+    before = len(trace.read_text().splitlines())
+    out = client.completions.create(model=NAME, prompt="Colors: red,", max_tokens=3, temperature=0.8, n=2)
+    assert [c.finish_reason for c in out.choices] == ["length", "length"]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]
+    assert [s["new"] for s in steps if s["new"]] == [2]
