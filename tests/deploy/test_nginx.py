@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.spawn import NAME, free_port, spawn_server_processes
+from tests.server.spawn import NAME, free_port, spawn_server_processes, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "deploy" / "nginx" / "paphos.conf"
@@ -105,17 +105,7 @@ def run_nginx(workdir: Path, ports: list[int]) -> Iterator[str]:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{listen}"
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"nginx exited with {proc.returncode}:\n{nginx_logs(prefix)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"nginx did not proxy /health within 15 s:\n{nginx_logs(prefix)}"
-            time.sleep(0.1)
+        wait_healthy(proc, base, "nginx (proxying /health)", lambda: nginx_logs(prefix), timeout_s=15, poll_s=0.1)
         yield base
     finally:
         proc.terminate()

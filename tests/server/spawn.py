@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -40,19 +40,25 @@ def _launch(log_dir: Path, extra_args: Sequence[str], new_session: bool) -> tupl
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], base: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 600
+def wait_healthy(proc: subprocess.Popen[bytes], base: str, what: str, logs: Callable[[], str],
+                 timeout_s: float = 600, poll_s: float = 0.5) -> None:
+    """Until `base`/health answers 200; a process that exits or a timeout raises with `logs()`."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{logs()}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"server not ready after 600 s:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.5)
+            raise RuntimeError(f"{what} not healthy after {timeout_s:g} s:\n{logs()}")
+        time.sleep(poll_s)
+
+
+def _server_log(log_dir: Path) -> Callable[[], str]:
+    return lambda: (log_dir / "server.log").read_text()[-4000:]
 
 
 def _stop(proc: subprocess.Popen[bytes], new_session: bool) -> None:
@@ -82,7 +88,7 @@ def spawn_server_process(
     """
     proc, base = _launch(log_dir, extra_args, new_session)
     try:
-        _wait_ready(proc, base, log_dir / "server.log")
+        wait_healthy(proc, base, "server", _server_log(log_dir))
         yield proc, base
     finally:
         _stop(proc, new_session)
@@ -101,5 +107,5 @@ def spawn_server_processes(
             stack.callback(_stop, proc, new_session)
             started.append((proc, base))
         for (proc, base), log_dir in zip(started, log_dirs, strict=True):
-            _wait_ready(proc, base, log_dir / "server.log")
+            wait_healthy(proc, base, "server", _server_log(log_dir))
         yield started
