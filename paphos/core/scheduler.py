@@ -87,6 +87,13 @@ class Scheduler:
         # Running requests rolled back since the runner last saw them (phrase bans): the next time
         # they are scheduled the runner gets them whole again (see `rollback_request`).
         self._resend: set[str] = set()
+        # Phrase-ban requests this scheduler finished itself (EOS, stop token, length): their last
+        # tokens may complete a banned phrase the API side has not seen yet, so they are kept,
+        # without blocks, until it confirms the finish (`finish_requests`) or rolls them back
+        # (`rollback_request` makes them wait again). Not counted as unfinished.
+        self._held: dict[str, Request] = {}
+        # Held since the last schedule(): the runner drops their inputs, keeps their sampling state.
+        self._newly_held: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -119,6 +126,9 @@ class Scheduler:
         if not status.is_finished:
             raise ValueError(f"finish_requests needs a finished status, got {status.name}")
         ids = {req_ids} if isinstance(req_ids, str) else set(req_ids)
+        for req_id in ids & self._held.keys():
+            del self._held[req_id]
+            self._forget(req_id)
         to_finish = [self.requests[i] for i in ids if i in self.requests]
         if not to_finish:
             return
@@ -138,11 +148,18 @@ class Scheduler:
         from the one holding the last kept token on are given back (kv_cache_manager.truncate) and
         that partial block is recomputed. The per-position bans travel in
         `Request.position_bans`; bans past the new end are dropped, earlier ones are kept
-        for a later rollback to that position. Unknown or finished ids are ignored (returns False).
+        for a later rollback to that position. A held request (finished here, see `_held`) waits
+        again at the front of the queue. Unknown or finished ids are ignored (returns False).
         """
-        req = self.requests.get(req_id)
+        req = self.requests.get(req_id) or self._held.get(req_id)
         if req is None or not 0 <= num_output_tokens < req.num_output_tokens:
             return False
+        if self._held.pop(req_id, None) is not None:
+            req.status = RequestStatus.PREEMPTED
+            req.stop_reason = None
+            req.num_computed_tokens = 0
+            self.requests[req_id] = req
+            self.waiting.prepend(req)
         del req.output_token_ids[num_output_tokens:]
         del req.all_token_ids[req.num_prompt_tokens + num_output_tokens :]
         bans = req.position_bans
@@ -182,13 +199,20 @@ class Scheduler:
             return []
         return kv.allocate_slots(req, num_new + 1) or []
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus, hold: bool = False) -> None:
         self._resend.discard(req.request_id)
         req.status = status
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
-        self._prompt_logprobs_sent.pop(req.request_id, None)
-        self._finished_req_ids.add(req.request_id)
+        if hold:
+            self._held[req.request_id] = req
+            self._newly_held.add(req.request_id)
+        else:
+            self._forget(req.request_id)
+
+    def _forget(self, req_id: str) -> None:
+        self._prompt_logprobs_sent.pop(req_id, None)
+        self._finished_req_ids.add(req_id)
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: blocks back to the pool, output kept, front of the queue."""
@@ -280,9 +304,10 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             # Rolled-back requests are "preempted and new" in one step: the runner drops and rebuilds.
-            preempted_req_ids={r.request_id for r in preempted} | resent,
+            preempted_req_ids={r.request_id for r in preempted} | resent | self._newly_held,
         )
         self._finished_req_ids = set()
+        self._newly_held = set()
         return out
 
     def update_from_output(
@@ -323,7 +348,7 @@ class Scheduler:
                     break  # tokens after a stop (speculative decoding, later) are dropped
             prompt_lps = self._new_prompt_logprobs(req, start, mro.prompt_logprobs.get(req_id))
             if status is not None:
-                self._finish(req, status)
+                self._finish(req, status, hold=bool(req.sampling_params.banned_strings))
                 any_finished = True
             if not (new_tokens or status is not None or prompt_lps):
                 continue

@@ -6,8 +6,10 @@ detokenizes incrementally, finds stop strings and banned phrases, and returns th
 the core: `FinishRequests` for sequences a stop string finished (their blocks are freed at the
 core's next step) and `RollbackRequest`s for banned phrases. The core may have run further steps
 by the time a rollback reaches it: the sequence's outputs are dropped from the rollback request
-until the core acknowledges it (`EngineCoreOutputs.rolled_back`), and a finish reported meanwhile
-ends the sequence with the phrase cut off.
+until the core acknowledges it (`EngineCoreOutputs.rolled_back`). A phrase-ban sequence the core
+finishes itself (EOS, stop token, length) is held there until this side has checked its last
+tokens: a banned phrase in them rolls it back like any other, a clean end is confirmed with a
+`FinishRequests`, so a phrase completed by the last token is regenerated, not cut off.
 With best_of > n nothing is streamed: the n sequences with the best cumulative logprob are
 returned once all have finished. It also keeps the token counters behind the Prometheus
 `prompt_tokens_total` / `generation_tokens_total` (plain integer adds, read on scrape).
@@ -202,10 +204,13 @@ class OutputProcessor:
         return running
 
     def _apply(self, request: _ClientRequest, sequence: _Sequence, eo: EngineOutput) -> bool:
+        """Returns True when the core must be told the sequence is finished: a stop string ended
+        it, or the core holds it (`held`) and its last tokens are clean."""
+        held = eo.finished and sequence.phrase_ban is not None and eo.finish_reason != "abort"
         if sequence.rollback_pending:
-            # Produced before the core rolled the sequence back: stale, unless the core finished
-            # it meanwhile (then the phrase is simply cut off).
-            if eo.finished and sequence.finish_reason is None:
+            # Produced before the core rolled the sequence back: stale. A held finish is undone by
+            # that rollback; an abort ends the sequence with the phrase cut off.
+            if eo.finished and not held and sequence.finish_reason is None:
                 sequence.finish_reason, sequence.stop_reason = eo.finish_reason, eo.stop_reason
             return False
         if eo.new_prompt_logprobs and request.prompt_logprobs is not None:
@@ -234,7 +239,7 @@ class OutputProcessor:
             if sequence.phrase_ban is not None:
                 start = sequence.phrase_ban.find(sequence.text, sequence.num_sent_chars)
                 if start is not None:
-                    return self._ban_phrase(request, sequence, eo, start)
+                    return self._ban_phrase(request, sequence, eo, start, held)
             if params.stop and len(sequence.token_ids) >= params.min_tokens:
                 match = find_stop_string(
                     sequence.text, len(new_text), params.stop, params.include_stop_str_in_output
@@ -245,12 +250,14 @@ class OutputProcessor:
                     stopped_by_string = not eo.finished
         if eo.finished and sequence.finish_reason is None:
             sequence.finish_reason, sequence.stop_reason = eo.finish_reason, eo.stop_reason
-        return stopped_by_string
+        return stopped_by_string or held
 
-    def _ban_phrase(self, request: _ClientRequest, sequence: _Sequence, eo: EngineOutput, start: int) -> bool:
+    def _ban_phrase(
+        self, request: _ClientRequest, sequence: _Sequence, eo: EngineOutput, start: int, held: bool
+    ) -> bool:
         """A banned phrase begins at output token `start`: cut the sequence back to before that
-        token and, unless the engine already finished it, ask for a rollback that bans that token
-        at that position. Returns True when this finished the sequence (retry limit)."""
+        token and, unless the engine aborted it, ask for a rollback that bans that token at that
+        position. Returns True when this finished the sequence (retry limit)."""
         assert sequence.phrase_ban is not None
         banned_token = sequence.token_ids[start]
         sequence.text = sequence.text[: sequence.phrase_ban.token_starts[start]]
@@ -261,7 +268,7 @@ class OutputProcessor:
             self._tokenizer.hf.backend_tokenizer, request.prompt_token_ids + sequence.token_ids,
             request.params.skip_special_tokens,
         )
-        if eo.finished:  # the engine is done with it: the phrase is simply cut off
+        if eo.finished and not held:  # aborted by the engine: the phrase is simply cut off
             sequence.finish_reason, sequence.stop_reason = eo.finish_reason, eo.stop_reason
             return False
         sequence.phrase_ban.num_rollbacks += 1
