@@ -29,72 +29,27 @@ Measured with benchmarks/gguf_cpu.py (bf16, 2 shared cores, best of 3 alternatin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from functools import cache
-from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.quant.gguf.base import (
+    DequantizedAtLoadKernel,
+    GGUFKernel,
+    GGUFShard,
+    dequantize_layer,
+    drop_raw,
+    raw_shard,
+)
 from paphos.quant.gguf.dequant import Q4_AFFINE_TYPES, dequantize, q4_affine_groups
+from paphos.quant.gguf.triton_gguf import TritonGGUFKernel
 
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # values per scale/offset group of the int4pack layout
 
-
-@dataclass(frozen=True)
-class GGUFShard:
-    """One checkpoint tensor of a (possibly merged) layer: output rows [row_start, row_start +
-    rows) of the layer, stored as `rows x row_bytes` raw bytes at `byte_offset` of the layer's flat
-    `weight` parameter."""
-
-    name: str  # HF name, e.g. model.layers.0.self_attn.q_proj.weight
-    type_name: str  # ggml type, e.g. Q4_K
-    rows: int
-    row_bytes: int
-    row_start: int
-    byte_offset: int
-
-    @property
-    def n_bytes(self) -> int:
-        return self.rows * self.row_bytes
-
-
-def raw_shard(weight: torch.Tensor, shard: GGUFShard) -> torch.Tensor:
-    """The raw blocks of `shard` as uint8 [rows, row_bytes] (a view of the flat weight)."""
-    return weight[shard.byte_offset : shard.byte_offset + shard.n_bytes].view(shard.rows, shard.row_bytes)
-
-
-def dequantize_layer(weight: torch.Tensor, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The whole weight [out, in] in `dtype`, shard by shard."""
-    return torch.cat([dequantize(raw_shard(weight, s), s.type_name).to(dtype) for s in shards])
-
-
-class GGUFKernel(Protocol):
-    name: ClassVar[str]
-
-    @classmethod
-    def can_implement(
-        cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype
-    ) -> bool: ...
-
-    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
-        """Repack `layer.weight` (flat raw blocks) once, for activations of `dtype`; may free it."""
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out] in x's dtype (bias not added)."""
-
-    # Optional, for weights that are also an embedding (see `GGUFLinearMethod`):
-    # def embed(self, layer, ids) -> rows `ids` of the weight [*ids.shape, in] in the layer's
-    # dtype, bit-equal to `dequantize(raw)[ids].to(dtype)`. Int4PackCPUKernel has none (its scales
-    # are rounded to bf16).
-
-
-def _drop_raw(layer: nn.Module) -> None:
-    # The raw blocks are no longer read: free them (the parameter stays, so its name is stable).
-    layer.weight.data = torch.empty(0, dtype=torch.uint8, device=layer.weight.device)
 
 
 class Int4PackCPUKernel:
@@ -137,7 +92,7 @@ class Int4PackCPUKernel:
         scale_zero = torch.stack([torch.cat(scales).t(), torch.cat(zeros).t()], dim=-1)
         layer.register_buffer("gguf_int4", packed, persistent=False)
         layer.register_buffer("gguf_scale_zero", scale_zero.to(torch.bfloat16).contiguous(), persistent=False)
-        _drop_raw(layer)
+        drop_raw(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed, scale_zero = layer.gguf_int4, layer.gguf_scale_zero
@@ -192,29 +147,6 @@ class DequantPerCallKernel:
         return embed_raw(layer.weight, self.shards, ids, self.dtype)
 
 
-class DequantizedAtLoadKernel:
-    """Dequantize once at load into the model dtype and run a float GEMM: any type, any device.
-    With float32 it is the exact reference (bit-exact dequantization, as `gguf` computes it)."""
-
-    name = "dequantized-at-load"
-
-    @classmethod
-    def can_implement(cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> bool:
-        return True
-
-    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
-        layer.register_buffer(
-            "gguf_dequantized", dequantize_layer(layer.weight, shards, dtype), persistent=False
-        )
-        _drop_raw(layer)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.gguf_dequantized)
-
-    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, layer.gguf_dequantized)
-
-
 def embed_raw(
     weight: torch.Tensor, shards: tuple[GGUFShard, ...], ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -233,7 +165,6 @@ def embed_raw(
 # start-up self-check) dequantize at load.
 # DequantPerCallKernel is not a candidate: on a GPU it dequantizes every weight on every step
 # (tens of ms for an 8B model); it stays as a torch reference.
-from paphos.quant.gguf.triton_gguf import TritonGGUFKernel  # noqa: E402 (needs the names above)
 
 KERNELS: list[type[GGUFKernel]] = [TritonGGUFKernel, Int4PackCPUKernel, DequantizedAtLoadKernel]
 

@@ -41,7 +41,7 @@ from paphos.quant.gguf.dequant import IQ4_KVALUES
 from paphos.quant.gguf.planes import FORMATS, PLANES, Format, repack, type_size
 
 if TYPE_CHECKING:
-    from paphos.quant.gguf.kernels import GGUFShard
+    from paphos.quant.gguf.base import GGUFShard
 
 try:
     import triton
@@ -308,7 +308,7 @@ class Segment:
 def make_segments(weight: torch.Tensor, shards: tuple[GGUFShard, ...], k: int) -> list[Segment]:
     """Repack the raw blocks of `shards` (in the flat uint8 `weight`) into one Segment per run of
     same-type shards."""
-    from paphos.quant.gguf.kernels import raw_shard
+    from paphos.quant.gguf.base import raw_shard
 
     segments: list[Segment] = []
     i = 0
@@ -567,7 +567,7 @@ class TritonGGUFKernel:
         )
 
     def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
-        from paphos.quant.gguf.kernels import DequantizedAtLoadKernel, _drop_raw
+        from paphos.quant.gguf.base import DequantizedAtLoadKernel, drop_raw
 
         k = self._in_features(shards)
         self.dtype = dtype
@@ -585,7 +585,7 @@ class TritonGGUFKernel:
         if self.matmul:
             # Size the shared scratch buffer now (before KV-cache sizing and CUDA-graph capture).
             scratch(layer.weight.device, dtype, self.n_total * k)
-        _drop_raw(layer)
+        drop_raw(layer)
 
     @staticmethod
     def _in_features(shards: tuple[GGUFShard, ...]) -> int:
