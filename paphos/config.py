@@ -16,9 +16,11 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # How matmuls with GGUF-quantized weights round their activations (see paphos/quant/gguf).
 GGUF_NUMERICS = ("float", "llamacpp")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-# --quantization (Aphrodite's name, -q): the weight format; None = chosen from the model (gguf
-# for a .gguf file, none otherwise). An explicit value must match the model.
-QUANTIZATIONS = ("gguf",)
+# --quantization (Aphrodite's name, -q): the weight format; None = chosen from the model (its
+# GGUF header or config.json). An explicit value must match the model, except fp8 on an
+# unquantized one (quantized at load); the *_marlin names are Aphrodite's for the same checkpoints
+# (paphos/quant/registry.py reconciles them at load).
+QUANTIZATIONS = ("gguf", "gptq", "gptq_marlin", "marlin", "awq", "awq_marlin", "compressed-tensors", "fp8")
 
 
 class ConfigError(ValueError):
@@ -108,7 +110,7 @@ class ModelConfig:
             fmt = detect_format(self.model, self.load_format)
         except LoaderError:
             return  # a missing or unreadable model is the loader's error, reported with its path
-        if fmt != q:
+        if (fmt == "gguf") != (q == "gguf") or (fmt == "dummy" and q != "fp8"):
             what = "dummy weights" if fmt == "dummy" else f"a {fmt} model"
             raise ConfigError(f"--quantization {q} given, but {self.model} is {what}")
 

@@ -144,6 +144,9 @@ class ModelSource:
         """Fill `model`'s parameters: `model.load_weights(...)`, or random values for dummy."""
         if self.load_format == "dummy":
             fill_dummy_weights(model, seed)
+            finish = getattr(model, "process_weights_after_loading", None)
+            if finish is not None:  # quant methods that quantize at load (-q fp8) do it now
+                finish()
         else:
             model.load_weights(
                 self.iter_weights(show_progress=show_progress, raw_names=raw_tensor_names(model))

@@ -308,7 +308,12 @@ class LlamaForCausalLM(nn.Module):
         on an unknown name or a wrong shape, and listing every tensor still missing at the end."""
         arch = type(self).__name__
         params = dict(self.named_parameters())
-        expected = {name for p in params for name, _ in self._checkpoint_names(p)}
+        expected = {
+            name
+            for p, param in params.items()
+            if not getattr(param, "optional_in_checkpoint", False)
+            for name, _ in self._checkpoint_names(p)
+        }
         seen: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb." in name:
@@ -332,6 +337,11 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - seen)
         if missing:
             raise WeightLoadError.missing(missing, arch)
+        self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        """Once every tensor is in: quant methods repack (or dequantize) their weights, and the
+        decoder layers wire the int8 inputs of their GEMVs. Dummy weights call it directly."""
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.quant_method.process_weights_after_loading(module)

@@ -18,7 +18,7 @@ from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.config import ConfigError, EngineConfig
 from paphos.loader import load_model_source
 from paphos.models.registry import resolve_model_class
-from paphos.quant.gguf import quant_config_for_source
+from paphos.quant.registry import select_quant_config
 from paphos.sample.guided import tokenizer_info
 from paphos.tokenizer import Tokenizer
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
@@ -93,14 +93,15 @@ def load_worker(config: EngineConfig) -> Worker:
     kv_dtype = _kv_cache_dtype(config, backend, dtype)
     torch.manual_seed(model_config.seed)
     model_cls = resolve_model_class(source.hf_config)
-    # Quantized GGUF weights: float32 numerics, or llama.cpp's activation rounding on request
-    quant_config = quant_config_for_source(source, model_config.gguf_numerics)
+    quant_config = select_quant_config(source, model_config.quantization, model_config.gguf_numerics)
     with torch.device(device):
         model = model_cls(
             source.hf_config, dtype=dtype, attn_backend=backend, quant_config=quant_config
         )
     source.load_into(model, seed=model_config.seed)
     model.eval()
+    for line in getattr(quant_config, "summary", list)():
+        logger.info("%s", line)
 
     kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
     num_blocks = num_blocks_for_budget(kv_spec, config.cache, _kv_budget_bytes(model, config, kv_spec, device))

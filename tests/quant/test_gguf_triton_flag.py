@@ -19,7 +19,9 @@ def test_quantization_flag(tmp_path: Path) -> None:
     engine, _ = build_configs(parse_args(["run", str(gguf), "-q", "gguf"]))
     assert engine.model.quantization == "gguf"
     assert ModelConfig(model=str(gguf)).quantization is None  # auto: gguf for a .gguf path
-    with pytest.raises(ConfigError, match="--quantization must be one of gguf"):
+    with pytest.raises(ConfigError, match="--quantization must be one of gguf, gptq"):
+        ModelConfig(model=str(gguf), quantization="bitsandbytes")
+    with pytest.raises(ConfigError, match="--quantization awq given, but .* is a gguf model"):
         ModelConfig(model=str(gguf), quantization="awq")
     with pytest.raises(ConfigError, match="--quantization gguf given, but .* is dummy weights"):
         ModelConfig(model=DUMMY, load_format="dummy", quantization="gguf")

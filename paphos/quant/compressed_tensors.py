@@ -1,0 +1,251 @@
+"""compressed-tensors checkpoints (llm-compressor): `quantization_config.quant_method ==
+"compressed-tensors"`.
+
+Data flow: registry.select -> `from_quant_config(qc)` -> by `format`:
+  - "pack-quantized" / "naive-quantized" (integer weights, 16-bit activations: W4A16, W8A16) ->
+    `CompressedTensorsIntConfig`: each targeted linear gets an `IntLinearMethod` with `PackedLayout`
+    or `NaiveLayout` (the int kernel family, shared with GPTQ and AWQ);
+  - "float-quantized" (FP8 weights, FP8 activations dynamic per token or static per tensor) ->
+    paphos/quant/fp8.py.
+Anything else (int8 activations, sparsity, transforms, KV-cache schemes, other formats) is refused
+at start-up naming the field and value.
+
+Integer layouts, per linear (codes stored unsigned: q + 2**(bits-1); zero points likewise):
+  pack-quantized   weight_packed      int32 [N, K * bits / 32]  codes packed along the input K
+                   weight_scale       bf16/fp16 [N, G]          G = 1 for per-channel
+                   weight_zero_point  int32 [N * bits / 32, G]  asymmetric only, packed along N
+                   weight_shape       int64 [2]                 [N, K] of the shard
+                   weight_g_idx       int32 [K]                 act-order "group"/"weight" only
+  naive-quantized  weight             int8  [N, K]              codes as signed values
+                   weight_scale, weight_zero_point (int8 [N, G], signed), as above
+w[n, k] = (q[n, k] - z[n, g]) * scale[n, g].
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paphos.quant.errors import QuantConfigError, field_value
+from paphos.quant.int_linear import (
+    IntKernelLog,
+    IntLinearMethod,
+    Unpacked,
+    add_param,
+    num_shards,
+    per_shard_loader,
+    unpack_along_cols,
+    unpack_along_rows,
+)
+
+INT_FORMATS = ("pack-quantized", "naive-quantized")
+# Our merged layers and the checkpoint modules they hold.
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_modules(prefix: str) -> tuple[str, ...]:
+    """The checkpoint's module names behind one of our layers ('...qkv_proj' -> q/k/v_proj)."""
+    head, _, last = prefix.rpartition(".")
+    parts = _MERGED.get(last)
+    return tuple(f"{head}.{p}" for p in parts) if parts else (prefix,)
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """compressed-tensors targets/ignore: a module name, a "re:" regex, or a class name
+    ("Linear" names every linear layer)."""
+    for pattern in patterns:
+        if pattern == "Linear" or pattern == name:
+            return True
+        if pattern.startswith("re:") and re.match(pattern[3:], name):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    bits: int
+    group_size: int  # -1: per output channel
+    symmetric: bool
+    act_order: bool
+
+
+def _int_scheme(group: str, weights: dict[str, Any], activations: Any) -> IntScheme:
+    where = f"config_groups.{group}"
+    if activations:
+        raise QuantConfigError(field_value(
+            f"{where}.input_activations", activations, "integer weights run with 16-bit activations only (W4A16, W8A16)"
+        ))
+    if weights.get("type") != "int":
+        raise QuantConfigError(field_value(f"{where}.weights.type", weights.get("type"), "this format takes int weights"))
+    bits = weights.get("num_bits")
+    if bits not in (4, 8):
+        raise QuantConfigError(field_value(f"{where}.weights.num_bits", bits, "4 or 8 bits are supported"))
+    strategy = weights.get("strategy")
+    if strategy == "group":
+        group_size = weights.get("group_size")
+        if not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
+            raise QuantConfigError(field_value(f"{where}.weights.group_size", group_size, "a positive multiple of 8"))
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        raise QuantConfigError(field_value(f"{where}.weights.strategy", strategy, "group or channel"))
+    if weights.get("dynamic"):
+        raise QuantConfigError(field_value(f"{where}.weights.dynamic", True, "weights must be static"))
+    actorder = weights.get("actorder")
+    if actorder not in (None, "static", "group", "weight"):
+        raise QuantConfigError(field_value(f"{where}.weights.actorder", actorder, "static, group or weight"))
+    return IntScheme(bits, group_size, bool(weights.get("symmetric", True)), actorder in ("group", "weight"))
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """pack-quantized (module docstring)."""
+
+    scheme: IntScheme
+
+    @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
+
+    def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        per = 32 // self.bits
+        groups = 1 if self.group_size < 0 else -(-input_size // self.group_size)
+        add_param(layer, "weight_packed", (output_size, -(-input_size // per)), torch.int32, output_dim=0)
+        _add_common(layer, self.scheme, input_size, output_size, groups, packed_zeros=True)
+
+    def unpack(self, layer: nn.Module) -> Unpacked:
+        k = int(layer.weight_shape[0, 1])
+        codes = unpack_along_cols(layer.weight_packed.data, self.bits)[:, :k]
+        return _unpacked(layer, self.scheme, codes, packed_zeros=True)
+
+
+@dataclass(frozen=True)
+class NaiveLayout:
+    """naive-quantized: signed codes one per int8 (module docstring)."""
+
+    scheme: IntScheme
+
+    @property
+    def bits(self) -> int:
+        return self.scheme.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.scheme.group_size
+
+    def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        groups = 1 if self.group_size < 0 else -(-input_size // self.group_size)
+        add_param(layer, "weight", (output_size, input_size), torch.int8, output_dim=0)
+        _add_common(layer, self.scheme, input_size, output_size, groups, packed_zeros=False)
+
+    def unpack(self, layer: nn.Module) -> Unpacked:
+        codes = layer.weight.data.to(torch.int64) + (1 << (self.bits - 1))
+        return _unpacked(layer, self.scheme, codes, packed_zeros=False)
+
+
+def _add_common(layer: nn.Module, scheme: IntScheme, input_size: int, output_size: int, groups: int, packed_zeros: bool) -> None:
+    # float32 holds the file's bf16/fp16 scales exactly; the kernels take them in the model dtype
+    add_param(layer, "weight_scale", (output_size, groups), torch.float32, output_dim=0)
+    shards = num_shards(layer)
+    add_param(layer, "weight_shape", (shards, 2), torch.int64, None, per_shard_loader(layer))
+    layer.weight_shape.optional_in_checkpoint = True  # naive-quantized files do not write it
+    layer.weight_shape.data.copy_(torch.tensor([output_size, input_size]))
+    if not scheme.symmetric:
+        if packed_zeros:
+            rows = -(-output_size * scheme.bits // 32)
+            add_param(layer, "weight_zero_point", (rows, groups), torch.int32, output_dim=0)
+        else:
+            add_param(layer, "weight_zero_point", (output_size, groups), torch.int8, output_dim=0)
+    if scheme.act_order:
+        add_param(layer, "weight_g_idx", (shards, input_size), torch.int32, None, per_shard_loader(layer))
+
+
+def _unpacked(layer: nn.Module, scheme: IntScheme, codes: torch.Tensor, packed_zeros: bool) -> Unpacked:
+    n = codes.shape[0]
+    zeros = None
+    if not scheme.symmetric:
+        stored = layer.weight_zero_point.data
+        if packed_zeros:
+            zeros = unpack_along_rows(stored, scheme.bits)[:n]
+        else:
+            zeros = stored.to(torch.int64) + (1 << (scheme.bits - 1))
+        zeros = zeros.to(torch.float32)
+    return Unpacked(
+        codes=codes.contiguous(),
+        scales=layer.weight_scale.data,
+        zeros=zeros,
+        groups=layer.weight_g_idx.data.long() if scheme.act_order else None,
+        shard_rows=tuple(getattr(layer, "output_sizes", (n,))),
+    )
+
+
+class CompressedTensorsIntConfig:
+    """The QuantConfig of an integer-weight compressed-tensors checkpoint."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, groups: list[tuple[list[str], IntScheme]], ignore: list[str], naive: bool) -> None:
+        self.groups = groups
+        self.ignore = ignore
+        self.naive = naive
+        self.log = IntKernelLog("compressed-tensors")
+
+    def scheme_of(self, module: str) -> IntScheme | None:
+        if matches(module, self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if matches(module, targets):
+                return scheme
+        return None
+
+    def get_linear_method(self, prefix: str) -> IntLinearMethod | None:
+        schemes = {self.scheme_of(m) for m in checkpoint_modules(prefix)}
+        if len(schemes) > 1:
+            raise QuantConfigError(
+                f"quantization_config gives {', '.join(checkpoint_modules(prefix))} different schemes; "
+                "they run as one merged layer and must share one"
+            )
+        scheme = schemes.pop()
+        if scheme is None:
+            return None
+        layout = NaiveLayout(scheme) if self.naive else PackedLayout(scheme)
+        return IntLinearMethod(layout, self.log, prefix)
+
+    def summary(self) -> list[str]:
+        return self.log.summary()
+
+
+def from_quant_config(qc: dict[str, Any]) -> Any:
+    """The QuantConfig of a compressed-tensors checkpoint (module docstring)."""
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if qc.get(key):
+            raise QuantConfigError(field_value(key, qc[key], "not supported"))
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise QuantConfigError(field_value("quantization_status", status, "only compressed checkpoints are supported"))
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise QuantConfigError(field_value("config_groups", groups, "at least one quantization scheme is needed"))
+    formats = {g.get("format") or qc.get("format") for g in groups.values()}
+    if len(formats) != 1:
+        raise QuantConfigError(field_value("format", sorted(map(str, formats)), "one format for the whole model"))
+    fmt = formats.pop()
+    if fmt == "float-quantized":
+        from paphos.quant.fp8 import Fp8Config
+
+        return Fp8Config.from_compressed_tensors(qc)
+    if fmt not in INT_FORMATS:
+        raise QuantConfigError(field_value("format", fmt, f"supported: {', '.join((*INT_FORMATS, 'float-quantized'))}"))
+    schemes = [
+        (list(g.get("targets") or []), _int_scheme(name, g.get("weights") or {}, g.get("input_activations")))
+        for name, g in groups.items()
+    ]
+    return CompressedTensorsIntConfig(schemes, list(qc.get("ignore") or []), naive=fmt == "naive-quantized")

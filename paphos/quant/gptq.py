@@ -1,0 +1,109 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel): `quantization_config.quant_method == "gptq"`.
+
+Data flow: registry.select -> `GPTQConfig.from_quant_config(qc)` -> every decoder linear (and
+`lm_head` when the checkpoint quantized it) gets an `IntLinearMethod` with `GPTQLayout`.
+
+The layout, per linear (4-bit g128 shown; 8-bit packs 4 codes per word):
+  qweight  int32 [K / 8, N]  8 codes per word along the input K: code j of word i is row 8i + j
+  qzeros   int32 [G, N / 8]  zero points packed the same way along the output N
+  scales   fp16  [G, N]      G = ceil(K / group_size) (the last group may be short)
+  g_idx    int32 [K]         group of each input row: k // group_size, or a permutation's
+                             groups with act-order (`desc_act`)
+w[k, n] = scales[g, n] * (q[k, n] - z[g, n]), g = g_idx[k]. The v1 format
+(`checkpoint_format: "gptq"`) stores z - 1, modulo 2**bits (a zero of 0 is stored as 2**bits - 1);
+v2 (`gptq_v2`) stores z.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paphos.quant.errors import QuantConfigError, field_value
+from paphos.quant.int_linear import (
+    IntKernelLog,
+    IntLinearMethod,
+    Unpacked,
+    add_param,
+    num_shards,
+    per_shard_loader,
+    unpack_along_cols,
+    unpack_along_rows,
+)
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+
+
+@dataclass(frozen=True)
+class GPTQLayout:
+    bits: int
+    group_size: int
+    version: int  # 1: zeros stored minus one; 2: stored as they are
+
+    def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        per = 32 // self.bits
+        groups = 1 if self.group_size <= 0 else -(-input_size // self.group_size)
+        add_param(layer, "qweight", (input_size // per, output_size), torch.int32, output_dim=1)
+        add_param(layer, "qzeros", (groups, output_size // per), torch.int32, output_dim=1)
+        # float32 holds the file's fp16 scales exactly; the kernels take them in the model dtype
+        add_param(layer, "scales", (groups, output_size), torch.float32, output_dim=1)
+        add_param(layer, "g_idx", (num_shards(layer), input_size), torch.int32, None, per_shard_loader(layer))
+        layer.g_idx.optional_in_checkpoint = True  # some AutoGPTQ files without act-order omit it
+        layer.g_idx.data.copy_(torch.arange(input_size) // (self.group_size if self.group_size > 0 else input_size))
+
+    def unpack(self, layer: nn.Module) -> Unpacked:
+        k, n = layer.qweight.shape[0] * 32 // self.bits, layer.qweight.shape[1]
+        codes = unpack_along_rows(layer.qweight.data, self.bits)[:k].t()
+        zeros = unpack_along_cols(layer.qzeros.data, self.bits)[:, :n]
+        if self.version == 1:
+            zeros = (zeros + 1) & ((1 << self.bits) - 1)
+        zeros = zeros.t()
+        symmetric = bool((zeros == 1 << (self.bits - 1)).all())
+        return Unpacked(
+            codes=codes.contiguous(),
+            scales=layer.scales.data.t().contiguous(),
+            zeros=None if symmetric else zeros.to(torch.float32).contiguous(),
+            groups=layer.g_idx.data.long(),
+            shard_rows=tuple(getattr(layer, "output_sizes", (n,))),
+        )
+
+
+class GPTQConfig:
+    """The QuantConfig of a GPTQ checkpoint."""
+
+    name = "gptq"
+
+    def __init__(self, bits: int, group_size: int, version: int, lm_head: bool) -> None:
+        self.layout = GPTQLayout(bits, group_size, version)
+        self.lm_head = lm_head
+        self.log = IntKernelLog("GPTQ")
+
+    @classmethod
+    def from_quant_config(cls, qc: dict[str, Any]) -> GPTQConfig:
+        bits = qc.get("bits", 4)
+        if bits not in (4, 8):
+            raise QuantConfigError(field_value("bits", bits, "4 or 8 bits are supported"))
+        group_size = qc.get("group_size", 128)
+        if not isinstance(group_size, int) or (group_size != -1 and (group_size <= 0 or group_size % 8)):
+            raise QuantConfigError(field_value("group_size", group_size, "a positive multiple of 8, or -1"))
+        checkpoint_format = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+        if qc.get("is_marlin_format") or checkpoint_format not in CHECKPOINT_FORMATS:
+            value = "marlin" if qc.get("is_marlin_format") else checkpoint_format
+            raise QuantConfigError(field_value(
+                "checkpoint_format", value, f"supported: {', '.join(CHECKPOINT_FORMATS)} (the files GPTQModel and AutoGPTQ write)"
+            ))
+        if qc.get("dynamic"):
+            raise QuantConfigError(field_value("dynamic", qc["dynamic"], "per-module GPTQ overrides are not supported"))
+        version = 2 if checkpoint_format == "gptq_v2" else 1
+        return cls(bits, group_size, version, bool(qc.get("lm_head", False)))
+
+    def get_linear_method(self, prefix: str) -> IntLinearMethod | None:
+        if prefix == "lm_head" and not self.lm_head:
+            return None
+        return IntLinearMethod(self.layout, self.log, prefix)
+
+    def summary(self) -> list[str]:
+        return self.log.summary()

@@ -1,0 +1,236 @@
+"""The linear method of integer-code checkpoints (GPTQ, AWQ, compressed-tensors pack-quantized):
+the checkpoint's own tensors in, the int kernel family (paphos/quant/kernels/int_layout.py,
+triton_int.py) out.
+
+Data flow: a format's QuantConfig gives each layer an `IntLinearMethod` with that format's
+`IntLayout` -> `create_weights` registers the checkpoint tensors as parameters in the file's
+layout (merged q|k|v and gate|up layers hold their shards side by side on the output axis;
+per-shard tensors such as act-order `g_idx` get one row per shard) -> the model's `load_weights`
+fills them -> `process_weights_after_loading` unpacks them to one common form (`Unpacked`: codes
+[N, K], scales and zeros [N, G], each shard's input-row groups) and either
+  - repacks them for the Triton kernels (CUDA, bf16/fp16): act-order groups are folded into a
+    permutation of x so every group is contiguous (Marlin's idea), or
+  - dequantizes them once into a dense weight in the model dtype (CPU, fp32 models, and layers
+    the kernels cannot take, e.g. q/k/v shards with different act-order permutations),
+and frees the checkpoint tensors. `IntKernelLog` counts the choice per layer so start-up logs it
+in one line per outcome ("Using Marlin-class kernels for N layers", and every other path with its
+reason).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paphos.layers.weights import copy_checked
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """A layer's weight as integer codes: w[n, k] = (codes[n, k] - zero) * scale, where the group
+    of input row k is `groups[s][k]` for the shard s that row n belongs to (None: k // group_size
+    for every shard)."""
+
+    codes: torch.Tensor  # [N, K] int, 0 <= code < 2**bits
+    scales: torch.Tensor  # [N, G] float
+    zeros: torch.Tensor | None  # [N, G] float; None: 2**(bits - 1) (symmetric)
+    groups: torch.Tensor | None  # [S, K] int64 group of each input row, per shard; None: contiguous
+    shard_rows: tuple[int, ...]  # output rows of each shard (sum N)
+
+
+class IntLayout(Protocol):
+    """One checkpoint format's tensors for a linear layer."""
+
+    bits: int
+    group_size: int  # -1: one group over the whole input (per output channel)
+
+    def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        """Register the checkpoint's tensors on `layer` (see `add_param`)."""
+
+    def unpack(self, layer: nn.Module) -> Unpacked: ...
+
+
+class IntKernelLog:
+    """Which path each layer took, logged once after loading (`summary`)."""
+
+    def __init__(self, format_name: str) -> None:
+        self.format_name = format_name
+        self.outcomes: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}
+
+    def record(self, outcome: str, layer_name: str) -> None:
+        self.outcomes[outcome] += 1
+        self.examples.setdefault(outcome, layer_name)
+
+    def summary(self) -> list[str]:
+        lines = []
+        for outcome, count in self.outcomes.items():
+            if outcome == MARLIN_CLASS:
+                lines.append(f"Using Marlin-class kernels for {count} layers ({self.format_name})")
+            else:
+                lines.append(f"{self.format_name}: {count} layers {outcome} (e.g. {self.examples[outcome]})")
+        return lines
+
+
+MARLIN_CLASS = "marlin-class"
+
+
+def add_param(
+    layer: nn.Module,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    output_dim: int | None,
+    loader: Callable[..., None] | None = None,
+) -> None:
+    """A checkpoint tensor as a parameter: sliced per shard on `output_dim` by the layer's own
+    loader (merged layers), or filled by `loader`."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    if output_dim is not None:
+        param.output_dim = output_dim  # type: ignore[attr-defined]
+    param.weight_loader = loader or layer.weight_loader  # type: ignore[attr-defined]
+    layer.register_parameter(name, param)
+
+
+def per_shard_loader(layer: nn.Module) -> Callable[..., None]:
+    """Loader of a [shards, ...] parameter whose row s is shard s's own tensor (act-order g_idx:
+    each of q, k and v has one over the same input)."""
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        row = 0 if shard_id is None else layer.shard_index(shard_id)
+        copy_checked(param.data[row], loaded)
+
+    return load
+
+
+def num_shards(layer: nn.Module) -> int:
+    return len(getattr(layer, "output_sizes", ())) or 1
+
+
+def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] -> int64 [R * 32 / bits, C]: value j of word r is row r * (32 / bits) + j, at
+    bits j * bits of the word."""
+    per = 32 // bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
+    values = (words[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(-1, packed.shape[1])
+
+
+def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 [R, C] -> int64 [R, C * 32 / bits]: value j of word c is column c * (32 / bits) +
+    j (or + order[j]), at bits j * bits of the word."""
+    per = 32 // bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
+    values = (words[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
+    if order is not None:
+        values = values[:, :, torch.argsort(torch.tensor(order, device=packed.device))]
+    return values.reshape(packed.shape[0], -1)
+
+
+def dequantize(u: Unpacked, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight [N, K] in `dtype`, computed in float32 from the codes, shard by shard."""
+    n, k = u.codes.shape
+    zeros = u.zeros if u.zeros is not None else torch.full_like(u.scales, float(1 << (bits - 1)))
+    contiguous = torch.arange(k, device=u.codes.device) // group_size
+    parts, row = [], 0
+    for shard, rows in enumerate(u.shard_rows):
+        groups = contiguous if u.groups is None else u.groups[shard].long()
+        sl = slice(row, row + rows)
+        values = (u.codes[sl].float() - zeros[sl].float()[:, groups]) * u.scales[sl].float()[:, groups]
+        parts.append(values.to(dtype))
+        row += rows
+    return torch.cat(parts)
+
+
+def act_order_perm(u: Unpacked, group_size: int) -> tuple[torch.Tensor | None, str | None]:
+    """The permutation of input rows that makes every group contiguous (None if they already
+    are), or the reason there is none (as a second value)."""
+    if u.groups is None:
+        return None, None
+    first = u.groups[0]
+    if any(not torch.equal(first, g) for g in u.groups[1:]):
+        return None, "have merged shards with different act-order permutations"
+    k = first.numel()
+    contiguous = torch.arange(k, device=first.device) // group_size
+    if torch.equal(first.long(), contiguous):
+        return None, None
+    perm = torch.argsort(first.long(), stable=True)
+    if not torch.equal(first.long()[perm], contiguous):
+        return None, "have act-order groups of unequal sizes"
+    return perm, None
+
+
+class IntLinearMethod:
+    """LinearMethod for one layer of an integer-code checkpoint (module docstring)."""
+
+    def __init__(self, layout: IntLayout, log: IntKernelLog, layer_name: str) -> None:
+        self.layout = layout
+        self.log = log
+        self.layer_name = layer_name
+        self.spec = None  # the kernels' IntSpec once repacked; None on the dense path
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        self.params_dtype = params_dtype
+        self.layout.create_params(layer, input_size, output_size, params_dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        u = self.layout.unpack(layer)
+        checkpoint_params = [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]
+        group_size = self.layout.group_size if self.layout.group_size > 0 else u.codes.shape[1]
+        reason = self._repack(layer, u, group_size)
+        if reason is not None:
+            layer.register_buffer("dense_weight", dequantize(u, self.layout.bits, group_size, self.params_dtype), persistent=False)
+            self.log.record(reason, self.layer_name)
+        for name in checkpoint_params:
+            delattr(layer, name)
+
+    def _repack(self, layer: nn.Module, u: Unpacked, group_size: int) -> str | None:
+        """Repack for the Triton kernels; returns why not (the dense path) or None."""
+        device = u.codes.device
+        if device.type != "cuda":
+            return "dequantized at load (no packed kernel on this device)"
+        if self.params_dtype not in (torch.float16, torch.bfloat16):
+            return f"dequantized at load ({self.params_dtype} activations)"
+        from paphos.quant.kernels import int_layout, triton_int
+
+        perm, reason = act_order_perm(u, group_size)
+        if reason is not None:
+            return f"dequantized at load: they {reason}"
+        n, k = u.codes.shape
+        spec = int_layout.IntSpec(
+            bits=self.layout.bits, group_size=group_size, in_features=k, out_features=n,
+            has_zeros=u.zeros is not None, has_perm=perm is not None,
+        )
+        if not triton_int.supports(spec, device, self.params_dtype):
+            return f"dequantized at load (no kernel for {spec})"
+        codes = u.codes if perm is None else u.codes[:, perm]
+        zeros = None if u.zeros is None else u.zeros.to(self.params_dtype)
+        planes = int_layout.pack(codes, u.scales.to(self.params_dtype), zeros, spec, perm)
+        for name, tensor in planes.items():
+            layer.register_buffer(f"int_{name}", tensor, persistent=False)
+        self.plane_names = tuple(planes)
+        self.spec = spec
+        self.log.record(MARLIN_CLASS, self.layer_name)
+        return None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.spec is None:
+            return F.linear(x, layer.dense_weight, bias)
+        from paphos.quant.kernels import triton_int
+
+        planes = {name: getattr(layer, f"int_{name}") for name in self.plane_names}
+        shape = x.shape
+        y = triton_int.matmul(x.reshape(-1, shape[-1]).contiguous(), planes, self.spec)
+        y = y.reshape(*shape[:-1], y.shape[-1])
+        return y + bias if bias is not None else y
