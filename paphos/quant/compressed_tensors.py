@@ -23,7 +23,6 @@ w[n, k] = (q[n, k] - z[n, g]) * scale[n, g].
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,30 +40,9 @@ from paphos.quant.int_linear import (
     unpack_along_cols,
     unpack_along_rows,
 )
+from paphos.quant.modules import checkpoint_modules, matches
 
 INT_FORMATS = ("pack-quantized", "naive-quantized")
-# Our merged layers and the checkpoint modules they hold.
-_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def checkpoint_modules(prefix: str) -> tuple[str, ...]:
-    """The checkpoint's module names behind one of our layers ('...qkv_proj' -> q/k/v_proj)."""
-    head, _, last = prefix.rpartition(".")
-    parts = _MERGED.get(last)
-    return tuple(f"{head}.{p}" for p in parts) if parts else (prefix,)
-
-
-def matches(name: str, patterns: list[str]) -> bool:
-    """compressed-tensors targets/ignore: a module name, a "re:" regex, or a class name
-    ("Linear" names every linear layer)."""
-    for pattern in patterns:
-        if pattern == "Linear" or pattern == name:
-            return True
-        if pattern.startswith("re:") and re.match(pattern[3:], name):
-            return True
-    return False
-
-
 @dataclass(frozen=True)
 class IntScheme:
     bits: int
@@ -202,7 +180,7 @@ class CompressedTensorsIntConfig:
         if matches(module, self.ignore):
             return None
         for targets, scheme in self.groups:
-            if matches(module, targets):
+            if "Linear" in targets or matches(module, targets):
                 return scheme
         return None
 
@@ -223,8 +201,9 @@ class CompressedTensorsIntConfig:
         return self.log.summary()
 
 
-def from_quant_config(qc: dict[str, Any]) -> Any:
-    """The QuantConfig of a compressed-tensors checkpoint (module docstring)."""
+def from_quant_config(qc: dict[str, Any], tied_embeddings: bool) -> Any:
+    """The QuantConfig of a compressed-tensors checkpoint (module docstring). `tied_embeddings`:
+    the head is the unquantized embedding, whatever the targets say."""
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         if qc.get(key):
             raise QuantConfigError(field_value(key, qc[key], "not supported"))
@@ -241,11 +220,12 @@ def from_quant_config(qc: dict[str, Any]) -> Any:
     if fmt == "float-quantized":
         from paphos.quant.fp8 import Fp8Config
 
-        return Fp8Config.from_compressed_tensors(qc)
+        return Fp8Config.from_compressed_tensors(qc, tied_embeddings=tied_embeddings)
     if fmt not in INT_FORMATS:
         raise QuantConfigError(field_value("format", fmt, f"supported: {', '.join((*INT_FORMATS, 'float-quantized'))}"))
     schemes = [
         (list(g.get("targets") or []), _int_scheme(name, g.get("weights") or {}, g.get("input_activations")))
         for name, g in groups.items()
     ]
-    return CompressedTensorsIntConfig(schemes, list(qc.get("ignore") or []), naive=fmt == "naive-quantized")
+    ignore = [*(qc.get("ignore") or ()), *(["lm_head"] if tied_embeddings else [])]
+    return CompressedTensorsIntConfig(schemes, ignore, naive=fmt == "naive-quantized")

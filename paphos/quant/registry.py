@@ -47,7 +47,7 @@ def _awq(qc: dict[str, Any], source: Any, numerics: str) -> Any:
 def _compressed_tensors(qc: dict[str, Any], source: Any, numerics: str) -> Any:
     from paphos.quant.compressed_tensors import from_quant_config
 
-    return from_quant_config(qc)
+    return from_quant_config(qc, bool(getattr(source.hf_config, "tie_word_embeddings", False)))
 
 
 def _fp8(qc: dict[str, Any], source: Any, numerics: str) -> Any:

@@ -46,23 +46,13 @@ from paphos.quant.gguf.kernels import (
     select_embedding_kernel,
     select_kernel,
 )
+from paphos.quant.modules import checkpoint_modules
 
 logger = logging.getLogger(__name__)
 
-# Our merged layers -> the checkpoint projections they hold, in output order (the model's
-# stacking, as vLLM's `packed_modules_mapping`).
-PACKED_MODULES: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
 def checkpoint_names(prefix: str) -> list[str]:
     """The HF weight names that fill the layer at module path `prefix`, in output order."""
-    parent, _, leaf = prefix.rpartition(".")
-    if leaf in PACKED_MODULES:
-        return [f"{parent}.{part}.weight" if parent else f"{part}.weight" for part in PACKED_MODULES[leaf]]
-    return [f"{prefix}.weight"]
+    return [f"{module}.weight" for module in checkpoint_modules(prefix)]
 
 
 class GGUFLinearMethod:

@@ -1,0 +1,238 @@
+"""FP8 (e4m3) weights: activation quantization, the GEMM, and their torch reference.
+
+Data flow (a linear layer whose method is `paphos.quant.fp8.Fp8LinearMethod`): x [M, K] in the
+model dtype -> `quantize_per_token` (dynamic: one scale per row, amax / 448) or
+`quantize_per_tensor` (static: the checkpoint's `input_scale`) -> x_fp8 [M, K] + a per-row fp32
+scale [M, 1] -> `torch._scaled_mm` against the fp8 weight [N, K] with its per-output-channel
+fp32 scale [N] (row-wise scaling: y[m, n] = s_x[m] * s_w[n] * sum_k x_fp8[m, k] w_fp8[n, k],
+accumulated in fp32 by cuBLAS on Hopper, CUTLASS on Ada) -> y [M, N] in the model dtype.
+`scaled_mm_unsupported` says, once per layer at load, whether that path runs here; where it does
+not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the method dequantizes
+the weight at load and keeps the activation rounding with `fake_quantize`.
+
+The activation math is the references' (llm-compressor / compressed-tensors `FP8_DYNAMIC` and
+static `FP8`, see quant-toolchain.md §3): s = amax|x| / 448 per row (clamped to float32 eps, as
+compressed-tensors does, which only matters for all-zero or near-zero rows), x_fp8 =
+fp8(clamp(x / s, -448, 448)) with torch's round-to-nearest-even cast. The Triton kernel reads x
+once and reproduces that bit for bit (IEEE division, the same rounding), so the GPU path differs
+from `reference_fp8_linear` only by the GEMM's summation order and the output rounding.
+
+Measured on the H200 (benchmarks/bench_fp8_gpu.py: Llama-3-8B shapes, CUDA-graph replay, weights
+read from memory, not L2): from M = 256 rows up fp8_linear beats bf16 F.linear 1.25-1.67x
+(1000-1160 TFLOP/s against 750-800; the quantize kernel is 5-27% of it, most on down_proj's
+K = 14336). At decode sizes cuBLAS's row-wise FP8 GEMM reads its weight at only 0.22-0.65 of copy
+bandwidth, so at M = 1-64 qkv / o / down_proj run at 0.65-0.97x of bf16 (gate_up 1.1-1.4x): an
+FP8 GEMV for small M is still to be written. `use_fast_accum` stays off: at M = 1 it gave 5e-2
+relative error.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: quantization runs in torch
+    triton = None
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = torch.finfo(torch.float32).eps
+# Rows up to this many values are quantized from registers in one read; longer rows take a
+# second read for the quantization pass (served from L2).
+_SINGLE_BLOCK_MAX = 16384
+
+
+def reference_quantize(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: x [M, K] -> (x_fp8 [M, K], scale [M, 1] fp32); dynamic per row when
+    `input_scale` is None, else the static per-tensor scale broadcast to every row. Also the
+    per-output-channel quantization of a float weight (`-q fp8`), rows being channels."""
+    xf = x.float()
+    if input_scale is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        # Divided by a tensor on x's device: CUDA turns a division by a Python scalar into a
+        # multiplication by its reciprocal, 1 ulp off the quotient in many rows, which
+        # then breaks the many exact rounding ties of bf16 inputs the other way.
+        scale = (amax / amax.new_full((), FP8_MAX)).clamp(min=MIN_SCALE)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(xf.shape[0], 1).contiguous()
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fake_quantize(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x rounded through FP8 as the references do it (dequantized again), in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, scale = reference_quantize(flat, input_scale)
+    return (q.float() * scale).to(x.dtype).reshape(x.shape)
+
+
+def reference_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The emulation the kernels are checked against: dequantized weight (fp8 * per-channel scale),
+    fake-quantized activations (dynamic per row, or static), one float32 matmul."""
+    w = weight.float() * weight_scale.float().reshape(-1, 1)
+    xq = fake_quantize(x.float(), input_scale)
+    y = F.linear(xq, w, None if bias is None else bias.float())
+    return y.to(out_dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_e4m3(v):
+        """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32; the cast
+        that follows is then exact. Rounding here rather than in the cast keeps the kernel exact
+        under the Triton interpreter too, whose fp32 -> fp8 cast (triton 3.9) drops the carry when
+        rounding up crosses a power of two (125.5 -> 64 instead of 128)."""
+        bits = v.to(tl.int32, bitcast=True)
+        a = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        # The spacing of e4m3 values around a: 2^(e - 3), e = max(exponent of a, -6) (subnormals).
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+        ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        inv_ulp = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+        # a / ulp < 16, so adding 1.5 * 2^23 rounds it to an integer (fp32 adds round to even).
+        r = ((a * inv_ulp + 12582912.0) - 12582912.0) * ulp
+        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride_xm,
+        BLOCK: tl.constexpr, STATIC: tl.constexpr, SINGLE: tl.constexpr,
+        QMAX: tl.constexpr, SMIN: tl.constexpr,
+    ):  # fmt: skip
+        """One row of x per program: its scale (amax / 448, or the static one) to s_ptr[row] and
+        the fp8 codes to q_ptr[row, :]."""
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_xm
+        q_row = q_ptr + row * K
+        offs = tl.arange(0, BLOCK)
+        if SINGLE:
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            if STATIC:
+                s = tl.load(static_scale_ptr).to(tl.float32)
+            else:
+                s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), SMIN)
+            q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
+            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+        else:
+            if STATIC:
+                s = tl.load(static_scale_ptr).to(tl.float32)
+            else:
+                amax = tl.zeros([BLOCK], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK):
+                    x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(x))
+                s = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), SMIN)
+            for k0 in range(0, K, BLOCK):
+                x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+                q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
+                tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+        tl.store(s_ptr + row, s)
+
+
+def triton_quantize(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel behind `quantize_per_token` / `quantize_per_tensor` (on CPU tensors too
+    under TRITON_INTERPRET=1, as the CPU tests run it). x [M, K], unit stride on K."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    single = k <= _SINGLE_BLOCK_MAX
+    block = triton.next_power_of_2(k) if single else 4096
+    static = input_scale is not None
+    _quantize_rows_kernel[(m,)](
+        x, q, scale, input_scale if static else scale, k, x.stride(0),
+        BLOCK=block, STATIC=static, SINGLE=single, QMAX=FP8_MAX, SMIN=MIN_SCALE,
+        num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return q, scale
+
+
+def _quantize(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda and triton is not None:
+        return triton_quantize(x, input_scale)
+    return reference_quantize(x, input_scale)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K] float8_e4m3fn, scale [M, 1] fp32), one scale per row (dynamic)."""
+    return _quantize(x, None)
+
+
+def quantize_per_tensor(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K], scale [M, 1]) with the static scale (a one-element fp32 tensor on
+    x's device) repeated per row, the layout row-wise `_scaled_mm` takes."""
+    return _quantize(x, input_scale)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """y = x W^T (+ bias) with W = weight [N, K] float8_e4m3fn (row-major) * weight_scale [N] fp32,
+    x [..., K] quantized per token (input_scale None) or with the static per-tensor input_scale.
+    CUDA, compute capability >= 8.9 (`scaled_mm_unsupported` returns None); no host sync, so it
+    can be captured in a CUDA graph."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, scale = _quantize(flat, input_scale)
+    # _scaled_mm takes the second operand column-major: W^T of a row-major [N, K] is just that.
+    y = torch._scaled_mm(
+        q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), bias=bias,
+        out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def scaled_mm_unsupported(device: torch.device, out_dtype: torch.dtype, n: int, k: int) -> str | None:
+    """Why `fp8_linear` cannot run an [N, K] weight here (None when it can): the device, the
+    16-multiples `_scaled_mm` needs, or `_scaled_mm` itself refusing row-wise scales with this
+    output dtype (e.g. float32 output on Ada)."""
+    if device.type != "cuda":
+        return f"no FP8 GEMM on {device.type}"
+    if triton is None:
+        return "triton is not installed"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return f"compute capability {capability[0]}.{capability[1]} < 8.9 has no FP8 tensor cores"
+    if n % 16 or k % 16:
+        return f"torch._scaled_mm needs N and K multiples of 16, the layer is {n} x {k}"
+    return _probe(device.index if device.index is not None else torch.cuda.current_device(), out_dtype)
+
+
+@cache
+def _probe(device_index: int, out_dtype: torch.dtype) -> str | None:
+    """Run one small row-wise `_scaled_mm` (once per device and dtype): torch versions and GPUs
+    differ in which output dtypes they take."""
+    device = torch.device("cuda", device_index)
+    a = torch.ones(16, 32, device=device).to(FP8_DTYPE)
+    b = torch.ones(16, 32, device=device).to(FP8_DTYPE)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        y = torch._scaled_mm(a, b.t(), scale_a=ones, scale_b=ones.view(1, -1), out_dtype=out_dtype)
+    except (RuntimeError, ValueError) as e:
+        return f"torch._scaled_mm refuses row-wise scales with {out_dtype} output ({e})"
+    if not bool((y == 32).all()):
+        return "torch._scaled_mm gave wrong results in its start-up check"
+    return None

@@ -1,0 +1,427 @@
+"""FP8 weights: the activation quantization (torch, and the Triton kernel: interpreted on CPU,
+compiled where a GPU is present) bit for bit against plain torch, `reference_fp8_linear` on hand-computed numbers, and tiny Llamas
+loaded through `Fp8Config` (compressed-tensors FP8_DYNAMIC, the `fp8` format with static
+activations, `-q fp8`) against HF `transformers` running the emulation the producing tools use:
+linear weights replaced by their dequantized fp8 values, linear inputs rounded through fp8
+(quant-toolchain.md §3). Logits agree within 1e-3 in float32.
+
+On CPU every FP8 layer is dequantized at load (there is no FP8 GEMM); `torch._scaled_mm` is
+checked against `reference_fp8_linear` on the H200 by benchmarks/bench_fp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from paphos.attention.torch_ref import TorchReferenceBackend
+from paphos.layers.linear import LinearBase, QKVLinear
+from paphos.loader import iter_safetensors
+from paphos.models.registry import resolve_model_class
+from paphos.quant.errors import QuantConfigError
+from paphos.quant.fp8 import DEQUANTIZED, Fp8Config, Fp8LinearMethod
+from paphos.quant.kernels.fp8 import quantize_per_tensor, quantize_per_token, reference_fp8_linear
+from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule
+
+FP8 = torch.float8_e4m3fn
+TOL = 1e-3
+
+
+def _plain_quantize(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' activation math, row by row: s = max|x| / 448 (float32 eps for zero rows),
+    correctly rounded (a tensor divisor: on CUDA torch multiplies by the reciprocal of a scalar)."""
+    x = x.float()
+    if scale is None:
+        amax = torch.stack([row.abs().max() for row in x])
+        scale = torch.clamp(amax / torch.full_like(amax, 448.0), min=torch.finfo(torch.float32).eps)
+    scale = scale.to(x.device).reshape(-1, 1).expand(x.shape[0], 1)
+    return torch.clamp(x / scale, min=-448.0, max=448.0).to(FP8), scale
+
+
+def _fake_quantize(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    q, s = _plain_quantize(flat, scale)
+    return (q.float() * s).reshape(x.shape)
+
+
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+# ---------------------------------------------------------------- activation quantization
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_per_token_matches_plain_torch(dtype: torch.dtype) -> None:
+    x = (torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * 5).to(dtype)
+    x[2] = 0  # an all-zero row: scale eps, codes 0
+    x[4] *= 1e-3
+    q, s = quantize_per_token(x)
+    want_q, want_s = _plain_quantize(x)
+    assert q.dtype == FP8 and q.shape == x.shape and s.dtype == torch.float32 and s.shape == (6, 1)
+    assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)
+    # every row uses its full range: its largest |x| lands on 448
+    assert torch.equal(q.float().abs().amax(dim=1)[[0, 1, 3, 4, 5]], torch.full((5,), 448.0))
+
+
+def test_quantize_per_tensor_saturates() -> None:
+    x = torch.tensor([[5.0, -0.123, 0.0, -9.0]])
+    q, s = quantize_per_tensor(x, torch.tensor([0.01]))
+    assert q.float().tolist() == [[448.0, -12.0, 0.0, -448.0]] and torch.equal(s, torch.tensor([[0.01]]))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> tuple[object, str]:
+    """(the kernel module, the device its inputs go to): compiled on CUDA where there is a GPU,
+    else run by the Triton interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET
+    before any kernel is decorated)."""
+    pytest.importorskip("triton")
+    import paphos.quant.kernels.fp8 as module
+
+    return module, "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("k", [64, 100, 20000])  # one block, a masked block, the two-pass loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_quantize_is_bit_exact(kernel, k: int, dtype: torch.dtype) -> None:  # noqa: ANN001
+    module, device = kernel
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(4, k + 8, generator=gen) * 3).to(dtype)[:, 3 : 3 + k].to(device)  # row stride != K
+    x[1] = 0
+    x[2, :6] = torch.tensor([-0.0, 1e-30, -1e-6, 3e-3, 2.0**-15, -1.0]).to(dtype)
+    for scale in (None, torch.tensor([0.004], device=device)):  # dynamic, then static with saturation
+        q, s = module.triton_quantize(x, scale)
+        want_q, want_s = _plain_quantize(x, scale)
+        assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)
+
+
+def test_triton_rounding_of_every_bfloat16_value(kernel) -> None:  # noqa: ANN001
+    """Every finite bf16 value in [-448, 448] rounds to torch's e4m3 (ties to even, subnormals,
+    signed zero): the kernel's rounding covers the whole input space of bf16 models."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[values.float().abs() <= 448.0]
+    module, device = kernel
+    q, _ = module.triton_quantize(values.view(1, -1).to(device), torch.tensor([1.0], device=device))
+    assert torch.equal(_bits(q).cpu(), _bits(values.float().to(FP8)).view(1, -1))
+
+
+# ---------------------------------------------------------------- reference_fp8_linear by hand
+
+
+def test_reference_fp8_linear_by_hand() -> None:
+    weight = torch.tensor([[1.0, -2.0], [0.5, 4.0]]).to(FP8)
+    weight_scale = torch.tensor([2.0, 0.25])
+    x = torch.tensor([[1.0, -3.0]])
+    # dynamic: s = 3 / 448; 1 / s = 149.33 rounds to 144 (e4m3 steps of 16 in [128, 256)), -3 -> -448
+    xq = torch.tensor([144.0 * 3 / 448, -3.0])
+    w = torch.tensor([[2.0, -4.0], [0.125, 1.0]])
+    y = reference_fp8_linear(x, weight, weight_scale, None, torch.float32, bias=torch.tensor([0.5, -1.0]))
+    torch.testing.assert_close(y, (xq @ w.T + torch.tensor([0.5, -1.0]))[None], rtol=0, atol=1e-6)
+    # static 0.01: 5 saturates at 4.48, -0.123 -> -12 * 0.01
+    y = reference_fp8_linear(
+        torch.tensor([[5.0, -0.123]]), weight, weight_scale, torch.tensor(0.01), torch.float32
+    )
+    torch.testing.assert_close(y, (torch.tensor([4.48, -0.12]) @ w.T)[None], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- a merged layer, shard by shard
+
+
+def test_merged_layer_takes_each_shards_scales() -> None:
+    """q|k|v with per-tensor weight scales of different shapes (0-d, [1]) and dtypes, and static
+    input scales: each shard's rows get its own weight scale; the input scale is the max."""
+    gen = torch.Generator().manual_seed(0)
+    layer = QKVLinear(32, 16, 2, 1, quant_method=Fp8LinearMethod("static"))
+    shards = {"q": 32, "k": 16, "v": 16}
+    scales = {
+        "q": torch.tensor(0.02),
+        "k": torch.tensor([0.5], dtype=torch.bfloat16),
+        "v": torch.tensor([0.125]),
+    }
+    input_scales = {"q": torch.tensor(0.03), "k": torch.tensor([0.05]), "v": torch.tensor([0.04])}
+    weights = {
+        s: torch.randn(n, 32, generator=gen).mul(100).clamp(-448, 448).to(FP8) for s, n in shards.items()
+    }
+    for s in shards:
+        layer.weight.weight_loader(layer.weight, weights[s], s)
+        layer.weight_scale.weight_loader(layer.weight_scale, scales[s], s)
+        layer.input_scale.weight_loader(layer.input_scale, input_scales[s], s)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.quant_method.kernel == DEQUANTIZED
+    assert torch.equal(layer.input_scale, torch.tensor([0.05]))
+    want_w = torch.cat([weights[s].float() * scales[s].float() for s in shards])
+    torch.testing.assert_close(layer.weight, want_w, rtol=0, atol=0)
+    x = torch.randn(5, 32, generator=gen)
+    torch.testing.assert_close(layer(x), _fake_quantize(x, torch.tensor(0.05)) @ want_w.T, rtol=0, atol=1e-5)
+
+
+def test_checkpoint_weight_must_be_fp8() -> None:
+    layer = QKVLinear(32, 16, 2, 1, quant_method=Fp8LinearMethod("dynamic"))
+    with pytest.raises(ValueError, match="F8_E4M3"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(32, 32, dtype=torch.bfloat16), "q")
+
+
+# ---------------------------------------------------------------- tiny Llamas against HF
+
+SMALL = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _hf_model() -> tuple[LlamaConfig, HFLlama]:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"])
+    cfg._attn_implementation = "eager"
+    hf = HFLlama(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
+    return cfg, hf
+
+
+def _linears(hf: HFLlama) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in hf.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS}
+
+
+def _input_amax(hf: HFLlama, ids: torch.Tensor) -> dict[str, float]:
+    """Static calibration as llm-compressor's min-max observer does it: max |input| per linear."""
+    amax: dict[str, float] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda _, a, n=n: amax.__setitem__(n, a[0].abs().max().item()))
+        for n, m in _linears(hf).items()
+    ]
+    hf_logits(hf, ids)
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def _emulation(
+    hf: HFLlama,
+    weights: dict[str, torch.Tensor],
+    input_scales: dict[str, torch.Tensor | None],
+    ours_inputs: dict[str, torch.Tensor],
+) -> HFLlama:
+    """HF with those linears' weights replaced by `weights` (dequantized fp8) and their inputs
+    rounded through fp8 (per token, or with the static scale).
+
+    The rounding is applied to our model's input of the same layer (`ours_inputs`, checked to be
+    within 1e-4 of HF's own): two float32 computations that differ by 1e-7 can put a value on
+    either side of an fp8 rounding boundary, a jump of 1/16 of it that moves the logits far more
+    than the tolerance, and which value lands near a boundary depends on the CPU's summation
+    order. Sharing the rounding decisions keeps the comparison exact on every machine."""
+    emu = copy.deepcopy(hf)
+    linears = _linears(emu)
+
+    def hook(name: str) -> Callable:
+        def fake_quantize_ours(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+            x = args[0]
+            ours = ours_inputs[name].view(x.shape)
+            torch.testing.assert_close(x, ours, rtol=0, atol=1e-4)
+            return (_fake_quantize(ours, input_scales[name]),)
+
+        return fake_quantize_ours
+
+    with torch.no_grad():
+        for name, w in weights.items():
+            linears[name].weight.copy_(w)
+            linears[name].register_forward_pre_hook(hook(name))
+    return emu
+
+
+def _write(path: Path, cfg: LlamaConfig, tensors: dict[str, torch.Tensor], qc: dict | None) -> Path:
+    path.mkdir()
+    config = cfg.to_dict() | ({"quantization_config": qc} if qc else {})
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def _load(
+    path: Path, cfg: LlamaConfig, quant_config: Fp8Config
+) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    model = resolve_model_class(cfg)(
+        cfg, torch.float32, TorchReferenceBackend(), quant_config=quant_config
+    ).eval()
+    model.load_weights(iter_safetensors(path, show_progress=False))
+    caches = [torch.zeros(model.kv_cache_shape_per_layer(NUM_BLOCKS, BLOCK)) for _ in range(model.num_layers)]
+    return model, caches
+
+
+def _compare(
+    model: torch.nn.Module,
+    caches: list[torch.Tensor],
+    hf: HFLlama,
+    weights: dict[str, torch.Tensor],
+    input_scales: dict[str, torch.Tensor | None],
+) -> None:
+    """Our logits (a prompt chunk, then decode steps) against HF's emulation of the same fp8 model."""
+    inputs: dict[str, list[torch.Tensor]] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda _, a, n=n: inputs.setdefault(n, []).append(a[0].clone()))
+        for n, m in model.named_modules()
+        if isinstance(m, LinearBase)
+    ]
+    ids = torch.randint(0, SMALL["vocab_size"], (8,), generator=torch.Generator().manual_seed(2))
+    ours = run_schedule(model, caches, [ids], [[6], [1], [1]])[0]
+    for h in hooks:
+        h.remove()
+    merged = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+              "up_proj": "gate_up_proj"}  # fmt: skip
+    ours_inputs = {}
+    for name in weights:
+        parent, _, leaf = name.rpartition(".")
+        ours_inputs[name] = torch.cat(inputs[f"{parent}.{merged.get(leaf, leaf)}"])
+    emu = _emulation(hf, weights, input_scales, ours_inputs)
+    torch.testing.assert_close(ours, hf_logits(emu, ids), rtol=0, atol=TOL)
+
+
+CT_DYNAMIC = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj$"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+    }},
+}  # fmt: skip
+
+
+def test_compressed_tensors_fp8_dynamic_matches_emulation(tmp_path: Path) -> None:
+    """FP8_DYNAMIC as llm-compressor writes it: F8_E4M3 weights, BF16 [N, 1] per-channel scales,
+    per-token activations; one ignored layer stays float (matched by a 're:' entry)."""
+    cfg, hf = _hf_model()
+    tensors = dict(hf.state_dict())
+    dequantized = {}
+    for name, m in _linears(hf).items():
+        if name == "model.layers.1.mlp.down_proj":
+            continue
+        scale = (m.weight.abs().amax(dim=1, keepdim=True) / 448.0).to(torch.bfloat16)
+        q = (m.weight / scale.float()).clamp(-448.0, 448.0).to(FP8)
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = q, scale
+        dequantized[name] = q.float() * scale.float()
+    path = _write(tmp_path / "ct", cfg, tensors, CT_DYNAMIC)
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    config = Fp8Config.from_compressed_tensors(qc)
+    model, caches = _load(path, cfg, config)
+    assert model.model.layers[1].mlp.down_proj.quant_method.__class__.__name__ == "UnquantizedLinearMethod"
+    assert model.lm_head.quant_method is None
+    assert config.summary()[0].startswith("FP8 (compressed-tensors float-quantized, dynamic activations): "
+                                       "dequantized at load for 7 layers (no FP8 GEMM on cpu)")  # fmt: skip
+    _compare(model, caches, hf, dequantized, dict.fromkeys(dequantized))
+
+
+def test_fp8_format_static_per_tensor_matches_emulation(tmp_path: Path) -> None:
+    """The `fp8` format with static activations: per-tensor F32 weight scales (0-d as ModelOpt
+    writes them, [1] as llm-compressor does) differing between q/k/v and gate/up, calibrated
+    per-tensor input scales."""
+    cfg, hf = _hf_model()
+    calib = torch.randint(0, SMALL["vocab_size"], (24,), generator=torch.Generator().manual_seed(5))
+    amax = _input_amax(hf, calib)
+    tensors = dict(hf.state_dict())
+    dequantized, input_scales = {}, {}
+    for i, (name, m) in enumerate(_linears(hf).items()):
+        scale = m.weight.abs().max() / 448.0
+        q = (m.weight / scale).clamp(-448.0, 448.0).to(FP8)
+        input_scales[name] = torch.tensor(amax[name] / 448.0)
+        shape = () if i % 2 else (1,)
+        tensors[f"{name}.weight"] = q
+        tensors[f"{name}.weight_scale"] = scale.reshape(shape)
+        tensors[f"{name}.input_scale"] = input_scales[name].reshape(shape)
+        dequantized[name] = q.float() * scale
+    qc = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": []}
+    config = Fp8Config.from_hf_quant_config(qc)
+    model, caches = _load(_write(tmp_path / "fp8", cfg, tensors, qc), cfg, config)
+    # 4 layers per decoder layer (qkv, o, gate_up, down), all dequantized at load on CPU
+    assert sum(m.kernel == DEQUANTIZED for m in config.methods.values()) == 8
+    _compare(model, caches, hf, dequantized, input_scales)
+
+
+def test_runtime_fp8_matches_emulation(tmp_path: Path) -> None:
+    """`-q fp8` on a float checkpoint: per-channel amax / 448 scales (float32), per-token activations;
+    the head stays float."""
+    cfg, hf = _hf_model()
+    hf.save_pretrained(tmp_path / "dense", safe_serialization=True)
+    dequantized = {}
+    for name, m in _linears(hf).items():
+        scale = m.weight.abs().amax(dim=1, keepdim=True) / 448.0
+        dequantized[name] = (m.weight / scale).clamp(-448.0, 448.0).to(FP8).float() * scale
+    config = Fp8Config.runtime()
+    model, caches = _load(tmp_path / "dense", cfg, config)
+    assert model.lm_head.quant_method is None and len(config.methods) == 8
+    _compare(model, caches, hf, dequantized, dict.fromkeys(dequantized))
+
+
+# ---------------------------------------------------------------- configs
+
+
+def _ct(**changes: object) -> dict:
+    qc = copy.deepcopy(CT_DYNAMIC)
+    group = qc["config_groups"]["group_0"]
+    for key, value in changes.items():
+        part, _, field = key.partition("__")
+        if field:
+            group[part][field] = value
+        else:
+            group[part] = value
+    return qc
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128]}),
+         r"weight_block_size: \[128, 128\]"),
+        (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "activation_scheme": "per_token"}),
+         "activation_scheme: 'per_token'"),
+        (lambda: Fp8Config.from_compressed_tensors(CT_DYNAMIC | {"format": "pack-quantized"}),
+         "format: 'pack-quantized'"),
+        (lambda: Fp8Config.from_compressed_tensors(_ct(weights__strategy="group")),
+         "group_0.weights.strategy: 'group'"),
+        (lambda: Fp8Config.from_compressed_tensors(_ct(weights__type="int")), "group_0.weights.type: 'int'"),
+        (lambda: Fp8Config.from_compressed_tensors(_ct(weights__num_bits=4)), "group_0.weights.num_bits: 4"),
+        (lambda: Fp8Config.from_compressed_tensors(_ct(input_activations__strategy="tensor")),
+         "group_0.input_activations: strategy 'tensor' with dynamic True"),
+        (lambda: Fp8Config.from_compressed_tensors(CT_DYNAMIC | {"kv_cache_scheme": {"num_bits": 8}}),
+         "kv_cache_scheme"),
+    ],
+)  # fmt: skip
+def test_unsupported_configs_name_the_field(make: Callable[[], Fp8Config], message: str) -> None:
+    with pytest.raises(QuantConfigError, match=message):
+        make()
+
+
+def test_ignore_lists_and_merged_layers() -> None:
+    ct = Fp8Config.from_compressed_tensors(
+        CT_DYNAMIC | {"ignore": ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                                 "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.gate_proj"]}
+    )  # fmt: skip
+    assert ct.get_linear_method("model.layers.0.self_attn.qkv_proj") is None  # every part ignored
+    assert ct.get_linear_method("model.layers.1.self_attn.qkv_proj").activation == "dynamic"
+    assert ct.get_linear_method("lm_head") is not None  # Linear targets it and it is not ignored here
+    with pytest.raises(
+        QuantConfigError, match="gate_proj: not quantized, model.layers.1.mlp.up_proj: dynamic"
+    ):
+        ct.get_linear_method("model.layers.1.mlp.gate_up_proj")
+    tied = Fp8Config.from_compressed_tensors(CT_DYNAMIC | {"ignore": []}, tied_embeddings=True)
+    assert tied.get_linear_method("lm_head") is None
+    weight_only = Fp8Config.from_compressed_tensors(_ct(input_activations=None))
+    assert weight_only.get_linear_method("model.layers.0.mlp.down_proj").activation == "none"
+    fp8 = Fp8Config.from_hf_quant_config(
+        {"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]}
+    )
+    assert fp8.get_linear_method("model.layers.0.mlp.down_proj") is None
+    assert (
+        fp8.get_linear_method("lm_head") is None and Fp8Config.runtime().get_linear_method("lm_head") is None
+    )
+    assert fp8.get_linear_method("model.layers.0.mlp.gate_up_proj").activation == "dynamic"
