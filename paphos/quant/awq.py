@@ -37,6 +37,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column offset held by nibble j of a word
 class AWQLayout:
     group_size: int
     bits: int = 4
+    int8_activations = False
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         groups = -(-input_size // self.group_size)

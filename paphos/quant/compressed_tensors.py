@@ -2,12 +2,13 @@
 "compressed-tensors"`.
 
 Data flow: registry.select -> `from_quant_config(qc)` -> by `format`:
-  - "pack-quantized" / "naive-quantized" (integer weights, 16-bit activations: W4A16, W8A16) ->
+  - "pack-quantized" / "naive-quantized" (integer weights with 16-bit activations: W4A16, W8A16;
+    or with dynamic per-token int8 activations, W8A8, run as rounded activations times the weight) ->
     `CompressedTensorsIntConfig`: each targeted linear gets an `IntLinearMethod` with `PackedLayout`
     or `NaiveLayout` (the int kernel family, shared with GPTQ and AWQ);
   - "float-quantized" (FP8 weights, FP8 activations dynamic per token or static per tensor) ->
     paphos/quant/fp8.py.
-Anything else (int8 activations, sparsity, transforms, KV-cache schemes, other formats) is refused
+Anything else (static or asymmetric activation quantization, sparsity, transforms, KV-cache schemes, other formats) is refused
 at start-up naming the field and value.
 
 Integer layouts, per linear (codes stored unsigned: q + 2**(bits-1); zero points likewise):
@@ -49,13 +50,16 @@ class IntScheme:
     group_size: int  # -1: per output channel
     symmetric: bool
     act_order: bool
+    int8_activations: bool  # W8A8: activations rounded to int8 per token, as the tool's forward does
 
 
 def _int_scheme(group: str, weights: dict[str, Any], activations: Any) -> IntScheme:
     where = f"config_groups.{group}"
-    if activations:
+    int8_dynamic = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+    if activations and any(activations.get(k) != v for k, v in int8_dynamic.items()):
         raise QuantConfigError(field_value(
-            f"{where}.input_activations", activations, "integer weights run with 16-bit activations only (W4A16, W8A16)"
+            f"{where}.input_activations", activations,
+            "integer weights take 16-bit activations (W4A16, W8A16) or dynamic per-token int8 (W8A8)",
         ))
     if weights.get("type") != "int":
         raise QuantConfigError(field_value(f"{where}.weights.type", weights.get("type"), "this format takes int weights"))
@@ -76,7 +80,9 @@ def _int_scheme(group: str, weights: dict[str, Any], activations: Any) -> IntSch
     actorder = weights.get("actorder")
     if actorder not in (None, "static", "group", "weight"):
         raise QuantConfigError(field_value(f"{where}.weights.actorder", actorder, "static, group or weight"))
-    return IntScheme(bits, group_size, bool(weights.get("symmetric", True)), actorder in ("group", "weight"))
+    return IntScheme(
+        bits, group_size, bool(weights.get("symmetric", True)), actorder in ("group", "weight"), bool(activations)
+    )
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,10 @@ class PackedLayout:
     @property
     def group_size(self) -> int:
         return self.scheme.group_size
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.scheme.int8_activations
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         per = 32 // self.bits
@@ -118,6 +128,10 @@ class NaiveLayout:
     @property
     def group_size(self) -> int:
         return self.scheme.group_size
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.scheme.int8_activations
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         groups = 1 if self.group_size < 0 else -(-input_size // self.group_size)

@@ -16,6 +16,7 @@ v2 (`gptq_v2`) stores z.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from paphos.quant.int_linear import (
     unpack_along_cols,
     unpack_along_rows,
 )
+from paphos.quant.modules import checkpoint_modules
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
@@ -42,6 +44,7 @@ class GPTQLayout:
     bits: int
     group_size: int
     version: int  # 1: zeros stored minus one; 2: stored as they are
+    int8_activations = False
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         per = 32 // self.bits
@@ -72,38 +75,64 @@ class GPTQLayout:
 
 
 class GPTQConfig:
-    """The QuantConfig of a GPTQ checkpoint."""
+    """The QuantConfig of a GPTQ checkpoint. GPTQModel's `dynamic` maps module-name regexes to
+    overrides (`bits`, `group_size`; a "-:" prefix leaves the modules unquantized), e.g. an 8-bit
+    group-32 `lm_head` in a 4-bit group-128 model; a merged layer's parts must agree."""
 
     name = "gptq"
 
-    def __init__(self, bits: int, group_size: int, version: int, lm_head: bool) -> None:
-        self.layout = GPTQLayout(bits, group_size, version)
+    def __init__(
+        self, layout: GPTQLayout, lm_head: bool, dynamic: tuple[tuple[str, bool, GPTQLayout | None], ...] = ()
+    ) -> None:
+        self.layout = layout
         self.lm_head = lm_head
+        self.dynamic = dynamic  # (regex, negative, layout of a positive match)
         self.log = IntKernelLog("GPTQ")
 
     @classmethod
     def from_quant_config(cls, qc: dict[str, Any]) -> GPTQConfig:
-        bits = qc.get("bits", 4)
-        if bits not in (4, 8):
-            raise QuantConfigError(field_value("bits", bits, "4 or 8 bits are supported"))
-        group_size = qc.get("group_size", 128)
-        if not isinstance(group_size, int) or (group_size != -1 and (group_size <= 0 or group_size % 8)):
-            raise QuantConfigError(field_value("group_size", group_size, "a positive multiple of 8, or -1"))
         checkpoint_format = qc.get("checkpoint_format") or qc.get("format") or "gptq"
         if qc.get("is_marlin_format") or checkpoint_format not in CHECKPOINT_FORMATS:
             value = "marlin" if qc.get("is_marlin_format") else checkpoint_format
             raise QuantConfigError(field_value(
                 "checkpoint_format", value, f"supported: {', '.join(CHECKPOINT_FORMATS)} (the files GPTQModel and AutoGPTQ write)"
             ))
-        if qc.get("dynamic"):
-            raise QuantConfigError(field_value("dynamic", qc["dynamic"], "per-module GPTQ overrides are not supported"))
         version = 2 if checkpoint_format == "gptq_v2" else 1
-        return cls(bits, group_size, version, bool(qc.get("lm_head", False)))
+        layout = _layout(qc, version, "")
+        dynamic = []
+        for key, overrides in (qc.get("dynamic") or {}).items():
+            negative = key.startswith("-:")
+            pattern = key[2:] if key[:2] in ("-:", "+:") else key
+            merged = None if negative else _layout({**qc, **overrides}, version, f"dynamic.{key}.")
+            dynamic.append((pattern, negative, merged))
+        return cls(layout, bool(qc.get("lm_head", False)), tuple(dynamic))
+
+    def layout_of(self, module: str) -> GPTQLayout | None:
+        for pattern, negative, layout in self.dynamic:
+            if re.match(pattern, module):
+                return None if negative else layout
+        return self.layout
 
     def get_linear_method(self, prefix: str) -> IntLinearMethod | None:
         if prefix == "lm_head" and not self.lm_head:
             return None
-        return IntLinearMethod(self.layout, self.log, prefix)
+        layouts = {self.layout_of(m) for m in checkpoint_modules(prefix)}
+        if len(layouts) > 1:
+            raise QuantConfigError(field_value(
+                "dynamic", "...", f"the parts of {prefix} ({', '.join(checkpoint_modules(prefix))}) must be quantized alike"
+            ))
+        layout = layouts.pop()
+        return None if layout is None else IntLinearMethod(layout, self.log, prefix)
 
     def summary(self) -> list[str]:
         return self.log.summary()
+
+
+def _layout(qc: dict[str, Any], version: int, where: str) -> GPTQLayout:
+    bits = qc.get("bits", 4)
+    if bits not in (4, 8):
+        raise QuantConfigError(field_value(f"{where}bits", bits, "4 or 8 bits are supported"))
+    group_size = qc.get("group_size", 128)
+    if not isinstance(group_size, int) or (group_size != -1 and (group_size <= 0 or group_size % 8)):
+        raise QuantConfigError(field_value(f"{where}group_size", group_size, "a positive multiple of 8, or -1"))
+    return GPTQLayout(bits, group_size, version)

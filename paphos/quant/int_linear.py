@@ -52,6 +52,7 @@ class IntLayout(Protocol):
 
     bits: int
     group_size: int  # -1: one group over the whole input (per output channel)
+    int8_activations: bool  # round x to int8 per token before the matmul (W8A8 checkpoints)
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         """Register the checkpoint's tensors on `layer` (see `add_param`)."""
@@ -171,6 +172,15 @@ def act_order_perm(u: Unpacked, group_size: int) -> tuple[torch.Tensor | None, s
     return perm, None
 
 
+def fake_quantize_int8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to symmetric int8 per token and back, as compressed-tensors computes dynamic W8A8
+    activations: scale = max|x| / 127.5 (the int8 range 255 over 2), round half to even, clamp."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.5
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    return (torch.round(xf / scale).clamp(-128, 127) * scale).to(x.dtype)
+
+
 class IntLinearMethod:
     """LinearMethod for one layer of an integer-code checkpoint (module docstring)."""
 
@@ -225,6 +235,8 @@ class IntLinearMethod:
         return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.layout.int8_activations:
+            x = fake_quantize_int8(x)
         if self.spec is None:
             return F.linear(x, layer.dense_weight, bias)
         from paphos.quant.kernels import triton_int

@@ -65,8 +65,8 @@ def test_the_checkpoint_decides_and_the_flag_may_agree(model_dir: Path) -> None:
         (
             {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
                 "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
-                "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}},
-            r"quantization_config.config_groups.group_0.input_activations = .* 16-bit activations only",
+                "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}}},
+            r"quantization_config.config_groups.group_0.input_activations = .* dynamic per-token int8",
         ),
         (
             {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {

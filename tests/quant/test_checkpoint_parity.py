@@ -1,0 +1,165 @@
+"""Quantized checkpoints made by the real tools (GPTQModel, AutoAWQ, llm-compressor) against the
+tools' own references (scripts/make_quant_fixtures.py wrote both; tests/quant/data/checkpoints/
+holds the checkpoints as the tools saved them, tests/quant/data/references/ their references):
+
+- every layout dequantizes bit-exactly as the tool's own dequantizer does (layer 0's linears);
+- fp32 logits on 8 prompts equal the reference model's (HF `transformers` with the tool's
+  dequantized weights; for checkpoints that quantize activations, the tool's own fp32 forward)
+  within 1e-4, through our chunked, paged forward;
+- the engine's greedy continuations (8 prompts x 32 tokens) are the reference's;
+- our logits are as close to the tool's own quantized forward (fp16 / bf16 kernels) as the
+  tool's fp32 reference is, so the distance that remains is the tool's arithmetic, not ours;
+- a mixed batch (different samplers, a shared prefix, preemption) gives each request what it
+  gets alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import tests.models.paged as paged
+from paphos import LLM
+from paphos.attention.torch_ref import TorchReferenceBackend
+from paphos.loader import load_model_source
+from paphos.models.registry import resolve_model_class
+from paphos.quant.registry import select_quant_config
+from paphos.sampling_params import SamplingParams
+from tests.models.paged import run_schedule
+
+DATA = Path(__file__).parent / "data"
+# Every fixture scripts/make_quant_fixtures.py makes; a missing one fails (never a silent skip).
+FIXTURES = (
+    "gptq-4b-g128-sym", "gptq-4b-g32-asym-actorder", "gptq-4b-g64-asym-v2", "gptq-8b-perchannel-sym",
+    "gptq-4b-g128-sym-lmhead", "awq-gemm-4b-g64", "awq-gemm-4b-g64-autoawq", "ct-w4a16-sym-g64",
+    "ct-w4a16-asym-g64", "ct-w8a16-channel", "ct-w4a16-gptq-actorder-group", "ct-awq-asym-g64",
+    "ct-fp8-dynamic", "ct-fp8-static", "ct-naive-w8a8",
+)  # fmt: skip
+LOGIT_TOL = 1e-4
+LINEARS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+}  # fmt: skip
+
+
+def checkpoint(name: str) -> Path:
+    path = DATA / "checkpoints" / name
+    assert (path / "config.json").is_file(), f"fixture {name} is missing: run scripts/make_quant_fixtures.py"
+    return path
+
+
+def reference(name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    file = DATA / "references" / f"{name}.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+    return load_file(str(file)), metadata
+
+
+def build(path: Path) -> torch.nn.Module:
+    """Our model in float32 on the CPU, its format chosen by the registry as at start-up."""
+    source = load_model_source(str(path))
+    config = source.hf_config
+    model = resolve_model_class(config)(config, torch.float32, TorchReferenceBackend(), select_quant_config(source, None))
+    source.load_into(model, show_progress=False)
+    return model.eval()
+
+
+def dense_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The float weight a layer multiplies by on the CPU (dequantized at load)."""
+    weight = getattr(layer, "dense_weight", None)
+    return weight if weight is not None else layer.weight
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """[prompts, tokens, vocab] computed in the given chunks of every prompt per step."""
+    blocks = len(ids) * (-(-ids.shape[1] // paged.BLOCK)) + 1
+    caches = [torch.zeros(model.kv_cache_shape_per_layer(blocks, paged.BLOCK)) for _ in range(model.num_layers)]
+    old = paged.NUM_BLOCKS
+    paged.NUM_BLOCKS = blocks
+    try:
+        return torch.stack(run_schedule(model, caches, list(ids), [[c] * len(ids) for c in chunks]))
+    finally:
+        paged.NUM_BLOCKS = old
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def case(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, dict[str, torch.Tensor], dict[str, str]]:
+    name = request.param
+    ref, metadata = reference(name)
+    return name, build(checkpoint(name)), ref, metadata
+
+
+def test_every_layout_dequantizes_as_the_tool_does(case) -> None:  # noqa: ANN001
+    name, model, ref, _ = case
+    layer = model.model.layers[0]
+    for theirs, (ours, shard) in LINEARS.items():
+        module = layer.get_submodule(ours)
+        start = sum(module.output_sizes[:shard])
+        got = dense_weight(module)[start : start + module.output_sizes[shard]].float()
+        torch.testing.assert_close(got, ref[f"dequant.model.layers.0.{theirs}.weight"], rtol=0, atol=0, msg=f"{name} {theirs}")
+
+
+def test_logits_match_the_tools_reference(case) -> None:  # noqa: ANN001
+    name, model, ref, _ = case
+    ids = ref["input_ids"]
+    got = logits(model, ids, [5, 11])  # chunked prefill: 5 tokens, then 11
+    worst = (got - ref["dequant_logits"]).abs().max().item()
+    assert worst <= LOGIT_TOL, f"{name}: max |dlogit| {worst:.2e} vs the tool's fp32 reference"
+
+
+def test_as_close_to_the_tools_own_kernels_as_its_reference_is(case) -> None:  # noqa: ANN001
+    name, model, ref, metadata = case
+    got = logits(model, ref["input_ids"], [16])
+    theirs = (ref["dequant_logits"] - ref["tool_logits"]).abs().max().item()
+    ours = (got - ref["tool_logits"]).abs().max().item()
+    assert ours <= theirs + LOGIT_TOL, f"{name}: {ours:.3g} from {metadata.get('tool_logits')}, reference {theirs:.3g}"
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_engine_greedy_continuations_match_the_reference(name: str) -> None:
+    ref, _ = reference(name)
+    llm = LLM(str(checkpoint(name)), dtype="float32", max_model_len=128, block_size=4)
+    prompts = [row.tolist() for row in ref["input_ids"]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    got = torch.tensor([o.outputs[0].token_ids for o in outputs])
+    assert torch.equal(got, ref["greedy"]), f"{name}: first difference at {(got != ref['greedy']).nonzero()[:1].tolist()}"
+
+
+@pytest.mark.parametrize("name", ["gptq-4b-g32-asym-actorder", "ct-fp8-dynamic", "ct-naive-w8a8"])
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone(name: str) -> None:
+    ref, _ = reference(name)
+    prefix = ref["input_ids"][0].tolist()
+    requests = [
+        (prefix + [7, 8], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+        (prefix + [9], SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=24, ignore_eos=True)),
+        (ref["input_ids"][1].tolist(), SamplingParams(temperature=1.0, min_p=0.1, seed=2, max_tokens=24,
+                                                      repetition_penalty=1.2, ignore_eos=True)),
+        (prefix, SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=24, logprobs=2, ignore_eos=True)),
+    ]  # fmt: skip
+    # 12 blocks of 4 tokens: four requests of up to 42 tokens cannot all stay resident (preemption).
+    batched = LLM(str(checkpoint(name)), dtype="float32", max_model_len=64, block_size=4, num_gpu_blocks_override=12)
+    together = batched.generate([p for p, _ in requests], [s for _, s in requests])
+    assert batched.engine.scheduler.num_preemptions_total > 0, "the batch must preempt for the test to mean anything"
+    assert batched.engine.scheduler.prefix_cache_hits > 0
+    alone = LLM(str(checkpoint(name)), dtype="float32", max_model_len=64, block_size=4)
+    for (prompt, params), out in zip(requests, together, strict=True):
+        single = alone.generate([prompt], params)[0].outputs[0]
+        assert out.outputs[0].token_ids == single.token_ids
+        if params.logprobs:
+            for a, b in zip(out.outputs[0].logprobs, single.logprobs, strict=True):
+                assert a.top_token_ids == b.top_token_ids
+                assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True)) <= 1e-4
+
+
+def test_fixtures_record_their_tool() -> None:
+    for name in FIXTURES:
+        config = json.loads((checkpoint(name) / "config.json").read_text())
+        _, metadata = reference(name)
+        assert "quantization_config" in config and metadata["tool"], name
