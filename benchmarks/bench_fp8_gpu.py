@@ -1,24 +1,36 @@
-"""FP8 weights on the GPU: `fp8_linear` (per-token activation quantization + `torch._scaled_mm`)
-checked against `reference_fp8_linear` and timed against bf16 F.linear on Llama-3-8B shapes.
+"""FP8 weights on the GPU: `fp8_linear` (the Triton small-M kernel up to SMALL_M_MAX tokens,
+per-token quantization + `torch._scaled_mm` above) checked against `reference_fp8_linear` and
+timed against bf16 F.linear on Llama-3-8B shapes.
 
-    python benchmarks/bench_fp8_gpu.py --out $OUT/fp8_gpu.json
+    python3 benchmarks/bench_fp8_gpu.py --out $OUT/fp8.json [--sections linear,small,sweep]
+        [--ms 1,2,4,8,16,32,64,256] [--workers 12]
 
 Sections (each one's failure is recorded and the rest go on; the JSON is rewritten after each):
   env        torch / triton / GPU, and which output dtypes row-wise `_scaled_mm` takes here
   ceilings   copy bandwidth (bytes read + written per second), the denominator of "frac BW"
   quantize   the Triton activation kernel bit for bit against the torch reference (dynamic and
              static, bf16 / fp16 / fp32 inputs, one-block, masked and two-pass rows)
-  linear     fp8_linear against reference_fp8_linear (dynamic, static, bias, fp16 output, fast
-             accumulation); max |error| / max |reference|; a CUDA-graph capture and replay;
+  linear     fp8_linear against reference_fp8_linear at M = 1, 5, 16 (Triton) and 300
+             (_scaled_mm): dynamic, static, bias, fp16 / fp32 output, fast accumulation, 3-D
+             input; max |error| / max |reference|; CUDA-graph capture and replay;
              Fp8LinearMethod on CUDA (checkpoint shards with per-tensor scales, and `-q fp8`)
-             choosing torch._scaled_mm
+  small      every candidate `small_m_linear` configuration (below) against the reference on the
+             q|k|v shape, bf16 output (acceptance 1e-2) and float32 output (the accumulation's
+             own error, beside _scaled_mm's); an odd shape (N 1000, K 1040: masked rows and a K
+             tail) with bias and static scales
+  kernels    per compiled `_small_m_kernel` variant: registers, spills, shared memory, and PTX
+             instruction counts (16-byte loads, cp.async, fp8 conversions, wgmma or mma.sync)
   sweep      K x N in {4096x6144 (qkv), 4096x4096 (o), 4096x28672 (gate_up), 14336x4096 (down)},
-             M in {1, 16, 64, 256, 1024, 4096}: time per call replayed from a CUDA graph (no
-             launch cost, as in the engine's decode graphs), cycling through enough weight copies
-             that the weight comes from memory and not L2; TFLOP/s; GB/s of weight + x + y bytes
-             and its fraction of copy bandwidth; error vs reference_fp8_linear. Columns: bf16
-             F.linear, fp8_linear (quantize + GEMM), its GEMM alone, the quantize kernel alone,
-             fp8_linear with use_fast_accum=True.
+             M in --ms: time per call replayed from a CUDA graph (no launch cost, as in the
+             engine's decode graphs; programmatic dependent launch on, as there), cycling
+             through enough weight copies that the weight comes from memory and not L2. Columns:
+             bf16 F.linear, `scaled_mm` (triton_quantize + _scaled_mm), `fp8` (fp8_linear as
+             dispatched) and the candidate `small_m_linear` tiles at every M <= 64. GB/s counts
+             weight + x + y bytes; frac = / copy BW. Printed last: per M, a decoder layer's four
+             linears summed.
+
+Kernels are compiled first in parallel worker processes (Triton's disk cache): a cold cache
+otherwise costs a minute or more of device time.
 """
 
 from __future__ import annotations
@@ -26,10 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +55,36 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from paphos.layers import pdl  # noqa: E402
 from paphos.layers.linear import Linear, QKVLinear  # noqa: E402
 from paphos.quant.fp8 import SCALED_MM, Fp8Config, Fp8LinearMethod  # noqa: E402
 from paphos.quant.kernels import fp8 as k8  # noqa: E402
 
-SHAPES = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))  # (K, N)
-MS = (1, 16, 64, 256, 1024, 4096)
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+MS = (1, 2, 4, 8, 16, 32, 64, 256)
 L2_BYTES = 60 << 20  # H200
 DEV = "cuda"
+
+CANDIDATES = {  # the default first
+    "dot64": k8.SmallMConfig(64, 256),
+    "dot32": k8.SmallMConfig(32, 256),
+    "dot32k512": k8.SmallMConfig(32, 512),
+}
+
+
+def candidates(m: int) -> list[str]:
+    """The `small_m_linear` configurations timed at M tokens."""
+    return list(CANDIDATES) if m <= 64 else []
+
+
+def run(name: str, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor | None = None,
+        out: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One call of a sweep column (other than bf16)."""
+    if name == "fp8":
+        return k8.fp8_linear(x, w, ws, scale, out, bias)
+    if name == "scaled_mm":
+        return k8.scaled_mm_linear(x, w, ws, scale, out, bias)
+    return k8.small_m_linear(x, w, ws, scale, out, bias, CANDIDATES[name])
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -73,6 +111,7 @@ def graph_seconds(calls: list[Callable[[], object]], min_calls: int = 32) -> flo
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / n)
+    del graph
     return statistics.median(times)
 
 
@@ -89,10 +128,213 @@ def x_like(m: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> to
     return torch.randn(m, k, device=DEV, generator=gen).to(dtype)
 
 
+# ----------------------------------------------------------------------------- correctness cases
+
+
+def linear_cases() -> dict[str, Callable[[], Any]]:
+    """fp8_linear as layers call it: name -> a check returning its rel. error (or a record)."""
+    k, n = SHAPES["qkv"]
+    w, ws = fp8_weight(n, k, 1)
+    bias = x_like(1, n, 3)[0]
+    static = torch.tensor([0.01], device=DEV)
+
+    def err(m: int, dtype: torch.dtype = torch.bfloat16, scale: torch.Tensor | None = None,
+            b: torch.Tensor | None = None, fast: bool = False) -> float:  # fmt: skip
+        x = x_like(m, k, m, dtype)
+        y = k8.fp8_linear(x, w, ws, scale, dtype, b, use_fast_accum=fast)
+        return rel_err(y, k8.reference_fp8_linear(x, w, ws, scale, torch.float32, b))
+
+    cases: dict[str, Callable[[], Any]] = {}
+    for m in (1, 5, 16, 300):
+        cases |= {
+            f"dynamic M{m}": lambda m=m: err(m),
+            f"fast_accum M{m}": lambda m=m: err(m, fast=True),
+            f"static M{m}": lambda m=m: err(m, scale=static),
+            f"bias M{m}": lambda m=m: err(m, b=bias),
+            f"float16 out M{m}": lambda m=m: err(m, torch.float16),
+            f"float32 out M{m}": lambda m=m: err(m, torch.float32),
+        }
+
+    def three_d() -> float:
+        x3 = x_like(6, k, 9).view(2, 3, k)
+        y3 = k8.fp8_linear(x3, w, ws, None, torch.bfloat16)
+        return rel_err(y3.view(6, n), k8.reference_fp8_linear(x3.view(6, k), w, ws, None, torch.float32))
+
+    def graph_replay() -> bool:
+        """Captured, then replayed on new input data: equal to eager (M = 1 and 4: the Triton kernel)."""
+        same = True
+        for m in (1, 4):
+            x_static = x_like(m, k, 11)
+            k8.fp8_linear(x_static, w, ws, None, torch.bfloat16)
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                y = k8.fp8_linear(x_static, w, ws, None, torch.bfloat16)
+            x_static.copy_(x_like(m, k, 12))
+            graph.replay()
+            torch.cuda.synchronize()
+            same &= bool(torch.equal(y, k8.fp8_linear(x_static, w, ws, None, torch.bfloat16)))
+        return same
+
+    cases["3d input"] = three_d
+    cases["cuda_graph_replay_equals_eager"] = graph_replay
+    for activation in ("dynamic", "static"):
+        cases[f"Fp8LinearMethod qkv {activation}"] = lambda a=activation: method_qkv(a)
+    cases["-q fp8 o_proj"] = method_runtime
+    return cases
+
+
+def method_qkv(activation: str) -> dict[str, Any]:
+    """The linear method on CUDA: checkpoint shards with per-tensor scales, static or dynamic."""
+    with torch.device(DEV):
+        layer = QKVLinear(
+            4096, 128, 32, 8, params_dtype=torch.bfloat16, quant_method=Fp8LinearMethod(activation)
+        )
+    for i, (shard, rows) in enumerate((("q", 4096), ("k", 1024), ("v", 1024))):
+        wq, _ = fp8_weight(rows, 4096, 20 + i)
+        layer.weight.weight_loader(layer.weight, wq, shard)
+        layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(0.001 * (i + 1)), shard)
+        if activation == "static":
+            layer.input_scale.weight_loader(layer.input_scale, torch.tensor([0.01 + 0.002 * i]), shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    scale = layer.input_scale if activation == "static" else None
+    errs = {}
+    for m in (1, 33):
+        x = x_like(m, 4096, 5)
+        ref = k8.reference_fp8_linear(x, layer.weight, layer.weight_scale, scale, torch.float32)
+        errs[f"M{m}"] = rel_err(layer(x), ref)
+    return {"kernel": layer.quant_method.kernel, "rel_err": max(errs.values()), "per_m": errs}
+
+
+def method_runtime() -> dict[str, Any]:
+    config = Fp8Config.runtime()
+    with torch.device(DEV):
+        layer = Linear(
+            4096, 4096, params_dtype=torch.bfloat16, quant_method=config.get_linear_method("x.o_proj")
+        )
+    layer.weight.data.copy_(x_like(4096, 4096, 6) * 0.02)
+    dense = layer.weight.data.float().clone()
+    layer.quant_method.process_weights_after_loading(layer)
+    x = x_like(17, 4096, 7)
+    return {
+        "kernel": layer.quant_method.kernel,
+        "rel_err": rel_err(layer(x), k8.reference_fp8_linear(x, layer.weight, layer.weight_scale, None,
+                                                             torch.float32)),
+        "rel_err_vs_dense_fp32": rel_err(layer(x), x.float() @ dense.t()),
+        "weight_dtype": str(layer.weight.dtype),
+        "summary": config.summary(),
+    }  # fmt: skip
+
+
+def small_cases() -> dict[str, Callable[[], Any]]:
+    """Every candidate configuration, float32 output beside _scaled_mm's, the odd shape, and
+    triton_quantize bit for bit at M = 1."""
+    k, n = SHAPES["qkv"]
+    w, ws = fp8_weight(n, k, 4)
+    cases: dict[str, Callable[[], Any]] = {}
+    for m in (1, 3, 16, 64):
+        x = x_like(m, k, 40 + m)
+        ref = k8.reference_fp8_linear(x, w, ws, None, torch.float32)
+        for name in CANDIDATES:
+            cases[f"{name} M{m}"] = lambda name=name, x=x, ref=ref: rel_err(run(name, x, w, ws), ref)
+    # float32 output: the accumulation's own error, no bf16 rounding on top
+    x16 = x_like(16, k, 51)
+    ref16 = k8.reference_fp8_linear(x16, w, ws, None, torch.float32)
+    for name in [*CANDIDATES, "scaled_mm"]:
+        cases[f"f32out {name} M16"] = lambda name=name: rel_err(
+            run(name, x16, w, ws, out=torch.float32), ref16
+        )
+    # odd shape: rows past N masked, K not a multiple of the blocks; bias, static and dynamic
+    ko, no = 1040, 1000
+    wo, wso = fp8_weight(no, ko, 5)
+    bias = x_like(1, no, 6)[0]
+    static = torch.tensor([0.005], device=DEV)
+    for m in (1, 5, 40):
+        for scale in (None, static):
+            x = x_like(m, ko, 60 + m)
+            ref = k8.reference_fp8_linear(x, wo, wso, scale, torch.float32, bias)
+            label = f"odd {no}x{ko} M{m} {'static' if scale is not None else 'dynamic'} bias"
+            cases[label] = lambda x=x, scale=scale, ref=ref: rel_err(
+                k8.small_m_linear(x, wo, wso, scale, torch.bfloat16, bias), ref
+            )
+
+    def quantize_bitwise() -> bool:
+        same = True
+        for scale in (None, torch.tensor([0.004], device=DEV)):
+            x = x_like(1, k, 70) * 3
+            x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 448.0], device=DEV)
+            q, s = k8.triton_quantize(x, scale)
+            want_q, want_s = k8.reference_quantize(x, scale)
+            same &= torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+        return bool(same)
+
+    cases["triton_quantize == reference_quantize (bitwise)"] = quantize_bitwise
+    return cases
+
+
+def run_cases(cases: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, check in cases.items():
+        try:
+            out[name] = check()
+        except Exception as e:  # noqa: BLE001 (recorded: which variants run here is a result)
+            out[name] = f"error: {type(e).__name__}: {e}"[:400]
+    return out
+
+
+# ----------------------------------------------------------------------------- parallel compiles
+
+
+def _warm_job(jobs: list[tuple[str, Any]]) -> list[str]:
+    """In a worker process: run each job once so Triton's disk cache holds its kernels. A job is
+    ("case", (section, name)) or ("call", (shape, m, column)). -> the failures."""
+    errors = []
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    built: dict[str, dict[str, Callable[[], Any]]] = {}
+    for kind, what in jobs:
+        try:
+            if kind == "case":
+                section, name = what
+                if section not in built:
+                    built[section] = linear_cases() if section == "linear" else small_cases()
+                built[section][name]()
+            else:
+                shape, m, column = what
+                k, n = SHAPES[shape]
+                if shape not in weights:
+                    weights[shape] = fp8_weight(n, k, 0)
+                run(column, x_like(m, k, m), *weights[shape])
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 (the section records it again)
+            errors.append(f"{kind} {what}: {type(e).__name__}: {e}"[:300])
+    return errors
+
+
+def precompile(sections: list[str], ms: list[int], workers: int) -> dict[str, Any]:
+    jobs: list[tuple[str, Any]] = []
+    if "linear" in sections:
+        jobs += [("case", ("linear", name)) for name in linear_cases()]
+    if "small" in sections:
+        jobs += [("case", ("small", name)) for name in small_cases()]
+    if "sweep" in sections:
+        for m in ms:
+            for column in ["fp8", "scaled_mm", *candidates(m)]:
+                jobs.append(("call", ("qkv", m, column)))
+        jobs += [("call", ("down", m, "scaled_mm")) for m in (1, 2)]  # triton_quantize's K = 14336 block
+    groups = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
+    if not groups:
+        return {"seconds": 0.0, "jobs": 0, "errors": []}
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(len(groups), mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = [e for errs in pool.map(_warm_job, groups) for e in errs]
+    return {"seconds": round(time.perf_counter() - t0, 1), "jobs": len(jobs), "errors": errors}
+
+
 # ----------------------------------------------------------------------------- sections
 
 
-def section_env(results: dict[str, Any]) -> dict[str, Any]:
+def section_env(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import triton
 
     props = torch.cuda.get_device_properties(0)
@@ -102,10 +344,11 @@ def section_env(results: dict[str, Any]) -> dict[str, Any]:
     }
     return {"torch": torch.__version__, "triton": triton.__version__, "gpu": props.name,
             "capability": list(torch.cuda.get_device_capability()), "sms": props.multi_processor_count,
-            "scaled_mm_out_dtypes": probes}  # fmt: skip
+            "scaled_mm_out_dtypes": probes, "pdl": pdl.ENABLED, "small_m_max": k8.SMALL_M_MAX,
+            "default_small_m": str(k8.DEFAULT_SMALL_M)}  # fmt: skip
 
 
-def section_ceilings(results: dict[str, Any]) -> dict[str, Any]:
+def section_ceilings(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     n = 2 << 30
     buf = torch.empty(2, n, dtype=torch.uint8, device=DEV)
     for _ in range(3):
@@ -125,7 +368,7 @@ def section_ceilings(results: dict[str, Any]) -> dict[str, Any]:
     return {"copy_GBps": results["copy_bw"] / 1e9}
 
 
-def section_quantize(results: dict[str, Any]) -> dict[str, Any]:
+def section_quantize(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     mismatches = {}
     cases = 0
     for k in (100, 4096, 14336, 20000):
@@ -143,87 +386,8 @@ def section_quantize(results: dict[str, Any]) -> dict[str, Any]:
     return {"cases": cases, "mismatches": mismatches, "pass": not mismatches}
 
 
-def section_linear(results: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    k, n = 4096, 6144
-    w, ws = fp8_weight(n, k, 1)
-    bias = x_like(1, n, 3)[0]
-    static = torch.tensor([0.01], device=DEV)
-    for m in (1, 5, 16, 300):
-        x = x_like(m, k, m)
-        ref = k8.reference_fp8_linear(x, w, ws, None, torch.float32)
-        ref_s = k8.reference_fp8_linear(x, w, ws, static, torch.float32)
-        ref_b = k8.reference_fp8_linear(x, w, ws, None, torch.float32, bias)
-        checks = {
-            "dynamic": lambda x=x, ref=ref: rel_err(k8.fp8_linear(x, w, ws, None, torch.bfloat16), ref),
-            "fast_accum": lambda x=x, ref=ref: rel_err(
-                k8.fp8_linear(x, w, ws, None, torch.bfloat16, use_fast_accum=True), ref),
-            "static": lambda x=x, ref=ref_s: rel_err(k8.fp8_linear(x, w, ws, static, torch.bfloat16), ref),
-            "bias": lambda x=x, ref=ref_b: rel_err(k8.fp8_linear(x, w, ws, None, torch.bfloat16, bias), ref),
-            "float16 out": lambda x=x, ref=ref: rel_err(
-                k8.fp8_linear(x.half(), w, ws, None, torch.float16), ref),
-            "float32 out": lambda x=x, ref=ref: rel_err(k8.fp8_linear(x.float(), w, ws, None, torch.float32), ref),
-        }  # fmt: skip
-        for name, check in checks.items():
-            try:
-                out[f"{name} M{m}"] = check()
-            except Exception as e:  # noqa: BLE001 (recorded: which variants _scaled_mm takes is a result)
-                out[f"{name} M{m}"] = f"error: {e}"
-    # 3-D input
-    x3 = x_like(6, k, 9).view(2, 3, k)
-    y3 = k8.fp8_linear(x3, w, ws, None, torch.bfloat16)
-    out["3d input"] = rel_err(
-        y3.view(6, n), k8.reference_fp8_linear(x3.view(6, k), w, ws, None, torch.float32)
-    )
-
-    # CUDA graph: capture, then replay on new input data
-    x_static = x_like(4, k, 11)
-    y = k8.fp8_linear(x_static, w, ws, None, torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        y = k8.fp8_linear(x_static, w, ws, None, torch.bfloat16)
-    x_static.copy_(x_like(4, k, 12))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = k8.fp8_linear(x_static, w, ws, None, torch.bfloat16)
-    out["cuda_graph_replay_equals_eager"] = bool(torch.equal(y, eager))
-
-    # The linear method on CUDA: checkpoint shards with per-tensor scales, static and dynamic
-    for activation in ("dynamic", "static"):
-        with torch.device(DEV):
-            layer = QKVLinear(
-                4096, 128, 32, 8, params_dtype=torch.bfloat16, quant_method=Fp8LinearMethod(activation)
-            )
-        for i, (shard, rows) in enumerate((("q", 4096), ("k", 1024), ("v", 1024))):
-            wq, _ = fp8_weight(rows, 4096, 20 + i)
-            layer.weight.weight_loader(layer.weight, wq, shard)
-            layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(0.001 * (i + 1)), shard)
-            if activation == "static":
-                layer.input_scale.weight_loader(layer.input_scale, torch.tensor([0.01 + 0.002 * i]), shard)
-        layer.quant_method.process_weights_after_loading(layer)
-        x = x_like(33, 4096, 5)
-        scale = layer.input_scale if activation == "static" else None
-        ref = k8.reference_fp8_linear(x, layer.weight, layer.weight_scale, scale, torch.float32)
-        out[f"Fp8LinearMethod qkv {activation}"] = {"kernel": layer.quant_method.kernel,
-                                                    "rel_err": rel_err(layer(x), ref)}  # fmt: skip
-    config = Fp8Config.runtime()
-    with torch.device(DEV):
-        layer = Linear(
-            4096, 4096, params_dtype=torch.bfloat16, quant_method=config.get_linear_method("x.o_proj")
-        )
-    layer.weight.data.copy_(x_like(4096, 4096, 6) * 0.02)
-    dense = layer.weight.data.float().clone()
-    layer.quant_method.process_weights_after_loading(layer)
-    x = x_like(17, 4096, 7)
-    out["-q fp8 o_proj"] = {
-        "kernel": layer.quant_method.kernel,
-        "rel_err_vs_reference": rel_err(layer(x), k8.reference_fp8_linear(x, layer.weight, layer.weight_scale,
-                                                                          None, torch.float32)),
-        "rel_err_vs_dense_fp32": rel_err(layer(x), x.float() @ dense.t()),
-        "weight_dtype": str(layer.weight.dtype),
-        "summary": config.summary(),
-    }  # fmt: skip
+def section_linear(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    out = run_cases(linear_cases())
     errors = [v for key, v in out.items() if isinstance(v, float) and not key.startswith("fast_accum")]
     failed = [key for key, v in out.items() if isinstance(v, str) and not key.startswith("float")]
     methods = [v for v in out.values() if isinstance(v, dict)]
@@ -231,92 +395,173 @@ def section_linear(results: dict[str, Any]) -> dict[str, Any]:
     out["pass"] = (
         out["max_rel_err"] < 1e-2
         and not failed
-        and out["cuda_graph_replay_equals_eager"]
-        and all(v["kernel"] == SCALED_MM for v in methods)
-        and all(v.get("rel_err", v.get("rel_err_vs_reference", 1)) < 1e-2 for v in methods)
+        and out["cuda_graph_replay_equals_eager"] is True
+        and all(v["kernel"] == SCALED_MM and v["rel_err"] < 1e-2 for v in methods)
     )
     return out
 
 
-def time_point(
-    x: torch.Tensor, fp8_ws: list[tuple[torch.Tensor, torch.Tensor]], bf16_ws: list[torch.Tensor]
-) -> dict[str, float]:
-    """Seconds per call of each column of the sweep for input x (weights cycled over the copies)."""
-    q, s = k8.quantize_per_token(x)
-    return {
-        "bf16": graph_seconds([lambda b=b: F.linear(x, b) for b in bf16_ws]),
-        "fp8": graph_seconds([lambda a=a: k8.fp8_linear(x, a[0], a[1], None, torch.bfloat16) for a in fp8_ws]),
-        "gemm_only": graph_seconds([lambda a=a: torch._scaled_mm(
-            q, a[0].t(), scale_a=s, scale_b=a[1].view(1, -1), out_dtype=torch.bfloat16) for a in fp8_ws]),
-        "quant_only": graph_seconds([lambda: k8.quantize_per_token(x)]),
-        "fp8_fast_accum": graph_seconds([lambda a=a: k8.fp8_linear(
-            x, a[0], a[1], None, torch.bfloat16, use_fast_accum=True) for a in fp8_ws]),
-    }  # fmt: skip
+def section_small(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    out = run_cases(small_cases())
+    bf16 = [v for key, v in out.items() if isinstance(v, float) and not key.startswith("f32out")]
+    out["max_rel_err_bf16_out"] = max(bf16)
+    out["pass"] = (
+        out["max_rel_err_bf16_out"] < 1e-2
+        and not [
+            key for key, v in out.items() if isinstance(v, str) and not key.startswith("f32out scaled_mm")
+        ]
+        and out["triton_quantize == reference_quantize (bitwise)"] is True
+    )
+    return out
 
 
-def section_sweep(results: dict[str, Any]) -> dict[str, Any]:
+def section_sweep(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     copy_bw = results.get("copy_bw", 4.3e12)
-    for name, k, n in SHAPES:
+    for name, (k, n) in SHAPES.items():
         w, ws = fp8_weight(n, k, 0)
         w_bf16 = (w.float() * ws[:, None]).to(torch.bfloat16)
+        w32 = w.float() * ws[:, None]
         copies = max(1, math.ceil(3 * L2_BYTES / w.numel()))
         fp8_ws = [(w, ws)] + [(w.clone(), ws.clone()) for _ in range(copies - 1)]
         copies16 = max(1, math.ceil(3 * L2_BYTES / (2 * w.numel())))
         bf16_ws = [w_bf16] + [w_bf16.clone() for _ in range(copies16 - 1)]
-        for m in MS:
+        for m in args.ms:
             x = x_like(m, k, m)
-            ref = k8.reference_fp8_linear(x, w, ws, None, torch.float32)
-            t = time_point(x, fp8_ws, bf16_ws)
-            flops = 2 * m * n * k
+            ref = F.linear(k8.fake_quantize(x.float()), w32)
+            us: dict[str, float] = {
+                "bf16": graph_seconds([lambda b=b, x=x: F.linear(x, b) for b in bf16_ws]) * 1e6
+            }
+            err: dict[str, float | str] = {"bf16": rel_err(F.linear(x, w_bf16), ref)}
+            columns = ["scaled_mm", *(["fp8"] if m <= k8.SMALL_M_MAX else []), *candidates(m)]
+            for col in columns:
+                try:
+                    err[col] = rel_err(run(col, x, w, ws), ref)
+                    us[col] = graph_seconds([lambda a=a, x=x, col=col: run(col, x, *a) for a in fp8_ws]) * 1e6
+                except Exception as e:  # noqa: BLE001 (a configuration that fails is a result)
+                    err[col] = f"error: {type(e).__name__}: {e}"[:300]
             act = m * k * 2 + m * n * 2
+            gbps = {c: ((2 if c == "bf16" else 1) * n * k + act) / (t * 1e-6) / 1e9 for c, t in us.items()}
+            timed = [c for c in us if c not in ("bf16", "scaled_mm", "fp8")]
+            best = min(timed, key=us.__getitem__) if timed else None
             row = {
-                "shape": name, "K": k, "N": n, "M": m,
-                "us": {key: v * 1e6 for key, v in t.items()},
-                "tflops_bf16": flops / t["bf16"] / 1e12, "tflops_fp8": flops / t["fp8"] / 1e12,
-                "GBps_bf16": (2 * n * k + act) / t["bf16"] / 1e9, "GBps_fp8": (n * k + act) / t["fp8"] / 1e9,
-                "speedup_fp8": t["bf16"] / t["fp8"],
-                "speedup_fp8_fast_accum": t["bf16"] / t["fp8_fast_accum"],
-                "err_fp8": rel_err(k8.fp8_linear(x, w, ws, None, torch.bfloat16), ref),
-                "err_fp8_fast_accum": rel_err(k8.fp8_linear(x, w, ws, None, torch.bfloat16, use_fast_accum=True), ref),
-                "err_bf16_vs_fp8_reference": rel_err(F.linear(x, w_bf16), ref),
+                "shape": name, "K": k, "N": n, "M": m, "us": us, "rel_err": err, "GBps": gbps,
+                "frac_bw": {c: v * 1e9 / copy_bw for c, v in gbps.items()}, "best": best,
+                "tflops_fp8": 2 * m * n * k / (us.get("fp8", us["scaled_mm"]) * 1e-6) / 1e12,
             }  # fmt: skip
-            row["frac_bw_bf16"] = row["GBps_bf16"] * 1e9 / copy_bw
-            row["frac_bw_fp8"] = row["GBps_fp8"] * 1e9 / copy_bw
             rows.append(row)
             print_row(row)
-        del fp8_ws, bf16_ws, w, ws, w_bf16
+        results["sweep"] = {"rows": rows, "partial": True}  # kept if the run is cut short
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+        del fp8_ws, bf16_ws, w, ws, w_bf16, w32
         torch.cuda.empty_cache()
-    return {"rows": rows}
+    return {"rows": rows, "layer": layer_sums(rows)}
 
 
 def print_row(r: dict[str, Any]) -> None:
-    us = r["us"]
-    print(f"{r['shape']:8s} {r['K']:6d}x{r['N']:<6d} M={r['M']:<5d} bf16 {us['bf16']:8.1f}us  fp8 {us['fp8']:8.1f}us "
-          f"(gemm {us['gemm_only']:7.1f}, quant {us['quant_only']:5.1f}, fast {us['fp8_fast_accum']:7.1f})  "
-          f"x{r['speedup_fp8']:.2f}  TFLOP/s {r['tflops_bf16']:6.1f}/{r['tflops_fp8']:6.1f}  "
-          f"GB/s {r['GBps_bf16']:6.0f}/{r['GBps_fp8']:6.0f} ({r['frac_bw_bf16']:.2f}/{r['frac_bw_fp8']:.2f})  "
-          f"err {r['err_fp8']:.1e} fast {r['err_fp8_fast_accum']:.1e}", flush=True)  # fmt: skip
+    us, f = r["us"], r["frac_bw"]
+    fp8 = us.get("fp8", us["scaled_mm"])
+    line = (f"{r['shape']:8s} {r['K']:5d}x{r['N']:<5d} M={r['M']:<3d} bf16 {us['bf16']:7.1f}  "
+            f"scaled_mm {us['scaled_mm']:7.1f}  fp8 {fp8:7.1f} us  x{us['bf16'] / fp8:.2f} vs bf16 "
+            f"(scaled_mm x{us['bf16'] / us['scaled_mm']:.2f})")  # fmt: skip
+    if r["best"]:
+        b = r["best"]
+        line += f"  best {b} {us[b]:.1f} x{us['bf16'] / us[b]:.2f}"
+    if r["M"] == 1:
+        line += (f"  GB/s bf16 {r['GBps']['bf16']:.0f} ({f['bf16']:.2f}) fp8 {r['GBps'].get('fp8', 0):.0f} "
+                 f"({f.get('fp8', 0):.2f}) scaled_mm {r['GBps']['scaled_mm']:.0f} ({f['scaled_mm']:.2f})")  # fmt: skip
+    others = " ".join(f"{c}={t:.1f}" for c, t in us.items() if c not in ("bf16", "scaled_mm", "fp8"))
+    errs = max(
+        (e for c, e in r["rel_err"].items() if isinstance(e, float) and c != "bf16"), default=float("nan")
+    )
+    print(f"{line}\n    {others}  max err {errs:.1e} (bf16 weights: {r['rel_err']['bf16']:.1e})", flush=True)
+
+
+def layer_sums(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per M, a decoder layer's four linears summed: bf16, scaled_mm, fp8 as dispatched, and each
+    shape's best candidate."""
+    out = {}
+    for m in sorted({r["M"] for r in rows}):
+        rs = [r for r in rows if r["M"] == m]
+        bf16 = sum(r["us"]["bf16"] for r in rs)
+        scaled = sum(r["us"]["scaled_mm"] for r in rs)
+        fp8 = sum(r["us"].get("fp8", r["us"]["scaled_mm"]) for r in rs)
+        best = sum(r["us"][r["best"]] if r["best"] else r["us"]["scaled_mm"] for r in rs)
+        out[f"M{m}"] = {"bf16_us": bf16, "scaled_mm_us": scaled, "fp8_us": fp8, "best_us": best,
+                        "fp8_x_bf16": bf16 / fp8, "scaled_mm_x_bf16": bf16 / scaled, "best_x_bf16": bf16 / best}  # fmt: skip
+        print(f"layer M={m:<3d} bf16 {bf16:7.1f} us  scaled_mm {scaled:7.1f} (x{bf16 / scaled:.2f})  "
+              f"fp8 {fp8:7.1f} (x{bf16 / fp8:.2f})  best-per-shape {best:7.1f} (x{bf16 / best:.2f})", flush=True)  # fmt: skip
+    return out
+
+
+PTX_MARKS = {
+    "16-byte loads": "v4.b32",
+    "cp.async": "cp.async",
+    "fp8->fp16x2 cvt": "e4m3x2",
+    "wgmma": "wgmma.mma_async",
+    "mma.sync fp8": "f32.e4m3.e4m3.f32",
+    "mma.sync fp16": "f32.f16.f16.f32",
+}
+
+
+def section_kernels(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Every `_small_m_kernel` variant this process compiled: registers, spills, shared memory and
+    counts of the PTX instructions that say which path it took."""
+    out = {}
+    for fn in (k8._small_m_kernel,):
+        for entry in fn.device_caches.values():
+            for key, kern in entry[0].items():
+                try:
+                    kern._init_handles()
+                    constants = getattr(getattr(kern, "src", None), "constants", None)
+                    ptx = kern.asm.get("ptx", "")
+                    out[f"{kern.name} {len(out)}"] = {
+                        "constants": {str(k): str(v) for k, v in constants.items()} if constants else str(key)[-400:],
+                        "num_warps": kern.metadata.num_warps, "num_stages": kern.metadata.num_stages,
+                        "shared": kern.metadata.shared, "n_regs": getattr(kern, "n_regs", None),
+                        "n_spills": getattr(kern, "n_spills", None),
+                        "ptx": {name: ptx.count(mark) for name, mark in PTX_MARKS.items()},
+                    }  # fmt: skip
+                except Exception as e:  # noqa: BLE001 (introspection of triton internals: best effort)
+                    out[f"{fn.__name__} {len(out)}"] = f"error: {type(e).__name__}: {e}"[:300]
+    return out
 
 
 SECTIONS = {"env": section_env, "ceilings": section_ceilings, "quantize": section_quantize,
-            "linear": section_linear, "sweep": section_sweep}  # fmt: skip
+            "linear": section_linear, "small": section_small, "sweep": section_sweep,
+            "kernels": section_kernels}  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="fp8_gpu.json")
-    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sections", default="env,ceilings,linear,small,kernels,sweep")
+    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     args = parser.parse_args()
+    args.ms = [int(v) for v in args.ms.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    start = time.perf_counter()
+    sections = args.sections.split(",")
     results: dict[str, Any] = {}
-    for name in args.sections.split(","):
+    if args.workers > 0:
+        results["precompile"] = precompile(sections, args.ms, args.workers)
+        print("precompile", json.dumps(results["precompile"], indent=1), flush=True)
+    for name in sections:
+        t0 = time.perf_counter()
         try:
-            results[name] = SECTIONS[name](results)
+            results[name] = SECTIONS[name](results, args)
         except Exception:  # noqa: BLE001 (record it, run the other sections)
             results[name] = {"error": traceback.format_exc()}
-        if name != "sweep":
+        if name == "kernels" and "error" not in results[name]:
+            for kname, rec in results[name].items():
+                print(kname, json.dumps(rec, default=str), flush=True)
+        elif name != "sweep":
             print(name, json.dumps(results[name], indent=1, default=str), flush=True)
+        print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
+        results["seconds"] = round(time.perf_counter() - start, 1)
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
 
 

@@ -6,7 +6,7 @@ Data flow (engine start-up): the checkpoint's `quantization_config` -> `Fp8Confi
 `get_linear_method(prefix)` per linear layer -> `Fp8LinearMethod.create_weights` registers
 `weight` (float8_e4m3fn [N, K]; the model dtype for `-q fp8`), `weight_scale` (fp32 [N]) and, for
 static activations, `input_scale` -> `load_weights` fills them shard by shard ->
-`process_weights_after_loading` quantizes (`-q fp8`), then picks the kernel: `torch._scaled_mm`
+`process_weights_after_loading` quantizes (`-q fp8`), then picks the kernel: the FP8 GEMM
 (paphos/quant/kernels/fp8.py) where it runs, else the weight dequantized once into the model dtype
 and F.linear (the activation rounding is kept, so the numbers stay the checkpoint's reference).
 
@@ -43,7 +43,7 @@ from paphos.quant.modules import checkpoint_modules, matches
 logger = logging.getLogger(__name__)
 
 Activation = Literal["dynamic", "static", "none"]
-SCALED_MM = "torch._scaled_mm"
+FP8_GEMM = "FP8 GEMM (Triton for a few tokens, torch._scaled_mm for more)"
 DEQUANTIZED = "dequantized at load"
 
 _logged: set[str] = set()
@@ -74,8 +74,8 @@ class Fp8LinearMethod:
         self.activation = activation
         self.from_checkpoint = from_checkpoint
         self.out_dtype = torch.float32
-        self.kernel: str | None = None  # SCALED_MM or DEQUANTIZED once loaded
-        self.reason: str | None = None  # why not SCALED_MM
+        self.kernel: str | None = None  # FP8_GEMM or DEQUANTIZED once loaded
+        self.reason: str | None = None  # why not FP8_GEMM
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
@@ -139,7 +139,7 @@ class Fp8LinearMethod:
         if self.reason is None and self.activation == "none":
             self.reason = "weight-only FP8 checkpoint (no FP8 weight-only kernel yet)"
         if self.reason is None:
-            self.kernel = SCALED_MM
+            self.kernel = FP8_GEMM
             return
         self.kernel = DEQUANTIZED
         if self.reason not in _logged:
@@ -151,7 +151,7 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         input_scale = layer.input_scale if self.activation == "static" else None
-        if self.kernel == SCALED_MM:
+        if self.kernel == FP8_GEMM:
             return fp8_linear(x, layer.weight, layer.weight_scale, input_scale, self.out_dtype, bias)
         if self.kernel is None:
             raise RuntimeError("FP8 weights used before loading")
@@ -261,7 +261,7 @@ class Fp8Config:
         return None
 
     def summary(self) -> list[str]:
-        """The start-up log's line, e.g. 'FP8 (-q fp8): torch._scaled_mm for 154 layers'."""
+        """The start-up log's line, e.g. 'FP8 (-q fp8): FP8 GEMM (...) for 154 layers'."""
         counts = Counter(m.kernel or "not loaded" for m in self.methods.values())
         parts = [f"{kernel} for {n} layer{'s' if n != 1 else ''}" for kernel, n in counts.most_common()]
         reasons = sorted({m.reason for m in self.methods.values() if m.reason})

@@ -1,12 +1,15 @@
 """FP8 weights: the activation quantization (torch, and the Triton kernel: interpreted on CPU,
-compiled where a GPU is present) bit for bit against plain torch, `reference_fp8_linear` on hand-computed numbers, and tiny Llamas
+compiled where a GPU is present) bit for bit against plain torch; the small-M Triton GEMM that
+fp8_linear runs at decode sizes against `reference_fp8_linear` (float32 output within 1e-5 of
+the largest output on CPU); `reference_fp8_linear` on hand-computed numbers; and tiny Llamas
 loaded through `Fp8Config` (compressed-tensors FP8_DYNAMIC, the `fp8` format with static
 activations, `-q fp8`) against HF `transformers` running the emulation the producing tools use:
 linear weights replaced by their dequantized fp8 values, linear inputs rounded through fp8
 (quant-toolchain.md §3). Logits agree within 1e-3 in float32.
 
-On CPU every FP8 layer is dequantized at load (there is no FP8 GEMM); `torch._scaled_mm` is
-checked against `reference_fp8_linear` on the H200 by benchmarks/bench_fp8_gpu.py.
+On CPU every FP8 layer is dequantized at load (there is no FP8 GEMM); the compiled kernels and
+`torch._scaled_mm` are checked against `reference_fp8_linear` on the H200 by
+benchmarks/bench_fp8_gpu.py.
 """
 
 from __future__ import annotations
@@ -111,6 +114,70 @@ def test_triton_rounding_of_every_bfloat16_value(kernel) -> None:  # noqa: ANN00
     module, device = kernel
     q, _ = module.triton_quantize(values.view(1, -1).to(device), torch.tensor([1.0], device=device))
     assert torch.equal(_bits(q).cpu(), _bits(values.float().to(FP8)).view(1, -1))
+
+
+# ---------------------------------------------------------------- the small-M kernel (decode)
+
+# fp32 output: on CPU (interpreted, fp32 operands) the kernel differs from the reference only in
+# fp32 summation order (~1e-7 of the largest output here), where one fp8 code off by a step moves
+# an output by ~1e-3 of it. On a GPU the fp8 MMA adds with fewer bits than fp32 (see
+# `_small_m_kernel`; 4.5e-5 measured at K = 4096): looser there.
+SMALL_TOL = {"cpu": 1e-5, "cuda": 2e-4}
+
+
+def _small_problem(
+    m: int, n: int, k: int, seed: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] bf16 (row 0 all zeros when m > 2: scale eps, every code 0), an fp8 weight quantized
+    per row as the checkpoints are, its scales, a bf16 bias."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+    if m > 2:
+        x[0] = 0
+    w = torch.randn(n, k, generator=gen) * 0.05
+    ws = w.abs().amax(dim=1) / 448.0
+    wq = (w / ws[:, None]).clamp(-448, 448).to(FP8)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    return x.to(device), wq.to(device), ws.to(device), bias.to(device)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 37, 100),  # odd N: rows past N masked; K inside one block, masked
+        (1, 64, 512),  # whole K blocks (two)
+        (3, 37, 300),  # K tail: 300 = 256 + 44
+        (20, 70, 600),  # 20 tokens padded to 32; 70 rows: a second, mostly masked, row block
+        (70, 40, 256),  # 70 tokens: two token blocks of 64
+    ],
+)
+@pytest.mark.parametrize("static", [False, True])
+def test_small_m_linear_matches_reference(kernel, m: int, n: int, k: int, static: bool) -> None:  # noqa: ANN001
+    module, device = kernel
+    x, w, ws, bias = _small_problem(m, n, k, m * n + k, device)
+    # static: half the dynamic scale of the largest row, so its larger values saturate at 448
+    scale = (x.float().abs().max() / 896.0).reshape(1) if static else None
+    for b in (None, bias):
+        y = module.small_m_linear(x, w, ws, scale, torch.float32, b)
+        ref = reference_fp8_linear(x, w, ws, scale, torch.float32, b)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        err = (y - ref).abs().max().item()
+        assert err <= SMALL_TOL[device] * ref.abs().max().item(), err
+        if m > 2:  # the all-zero row: exactly the bias (or zero)
+            assert torch.equal(y[0], torch.zeros(n, device=device) if b is None else b.float())
+
+
+def test_fp8_linear_takes_the_small_m_kernel(kernel) -> None:  # noqa: ANN001
+    """fp8_linear at decode sizes (3-D input, bf16 output, one token and a few): within one bf16
+    step (2^-7 relative) of the reference: the Triton interpreter's fp32 -> bf16 cast truncates
+    (triton 3.9, `fp_downcast_rounding` too), where the GPU's rounds to nearest."""
+    module, device = kernel
+    for m in (1, 6):
+        x, w, ws, bias = _small_problem(m, 37, 300, m, device)
+        y = module.fp8_linear(x.view(1, m, 300), w, ws, None, torch.bfloat16, bias)
+        ref = reference_fp8_linear(x, w, ws, None, torch.float32, bias)
+        assert y.shape == (1, m, 37) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.view(m, 37).float(), ref, rtol=2**-7, atol=1e-6)
 
 
 # ---------------------------------------------------------------- reference_fp8_linear by hand

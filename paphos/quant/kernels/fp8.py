@@ -1,37 +1,52 @@
-"""FP8 (e4m3) weights: activation quantization, the GEMM, and their torch reference.
+"""FP8 (e4m3) weights: activation quantization, the GEMMs, and their torch reference.
 
 Data flow (a linear layer whose method is `paphos.quant.fp8.Fp8LinearMethod`): x [M, K] in the
 model dtype -> `quantize_per_token` (dynamic: one scale per row, amax / 448) or
 `quantize_per_tensor` (static: the checkpoint's `input_scale`) -> x_fp8 [M, K] + a per-row fp32
-scale [M, 1] -> `torch._scaled_mm` against the fp8 weight [N, K] with its per-output-channel
-fp32 scale [N] (row-wise scaling: y[m, n] = s_x[m] * s_w[n] * sum_k x_fp8[m, k] w_fp8[n, k],
-accumulated in fp32 by cuBLAS on Hopper, CUTLASS on Ada) -> y [M, N] in the model dtype.
-`scaled_mm_unsupported` says, once per layer at load, whether that path runs here; where it does
-not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the method dequantizes
-the weight at load and keeps the activation rounding with `fake_quantize`.
+scale [M, 1] -> y[m, n] = s_x[m] * s_w[n] * sum_k x_fp8[m, k] w_fp8[n, k] against the fp8 weight
+[N, K] with its per-output-channel fp32 scale [N] -> y [M, N] in the model dtype. `fp8_linear`
+picks the GEMM by M (fixed per captured CUDA graph, so is the path): up to SMALL_M_MAX tokens
+(decode) `_small_m_kernel`, a Triton tensor-core kernel with the weight as the MMA's large side;
+above, `torch._scaled_mm` (row-wise scaling, fp32 accumulation by cuBLAS on Hopper, CUTLASS on
+Ada). `scaled_mm_unsupported` says, once per layer at load, whether these run here; where they
+do not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the method
+dequantizes the weight at load and keeps the activation rounding with `fake_quantize`.
 
 The activation math is the references' (llm-compressor / compressed-tensors `FP8_DYNAMIC` and
 static `FP8`, see quant-toolchain.md §3): s = amax|x| / 448 per row (clamped to float32 eps, as
 compressed-tensors does, which only matters for all-zero or near-zero rows), x_fp8 =
-fp8(clamp(x / s, -448, 448)) with torch's round-to-nearest-even cast. The Triton kernel reads x
-once and reproduces that bit for bit (IEEE division, the same rounding), so the GPU path differs
-from `reference_fp8_linear` only by the GEMM's summation order and the output rounding.
+fp8(clamp(x / s, -448, 448)) with torch's round-to-nearest-even cast. The Triton quantization
+kernel reads x once and reproduces that bit for bit (IEEE division, the same rounding), so the
+GPU paths differ from `reference_fp8_linear` only by the GEMM's summation and the output
+rounding (float32 output, K = 4096, M = 16, max |error| / max |reference|: 4.5e-5 for
+`_small_m_kernel`'s fp8 MMA, 1.4e-4 for `_scaled_mm`).
 
-Measured on the H200 (benchmarks/bench_fp8_gpu.py: Llama-3-8B shapes, CUDA-graph replay, weights
-read from memory, not L2): from M = 256 rows up fp8_linear beats bf16 F.linear 1.25-1.67x
-(1000-1160 TFLOP/s against 750-800; the quantize kernel is 5-27% of it, most on down_proj's
-K = 14336). At decode sizes cuBLAS's row-wise FP8 GEMM reads its weight at only 0.22-0.65 of copy
-bandwidth, so at M = 1-64 qkv / o / down_proj run at 0.65-0.97x of bf16 (gate_up 1.1-1.4x): an
-FP8 GEMV for small M is still to be written. `use_fast_accum` stays off: at M = 1 it gave 5e-2
-relative error.
+Measured on the H200 (benchmarks/bench_fp8_gpu.py: Llama-3-8B shapes, CUDA-graph replay with
+programmatic dependent launch, weights read from memory, not L2; copy bandwidth 4.2 TB/s). At
+M = 1, us per call, bf16 F.linear / quantize + _scaled_mm / `small_m_linear` (quantize +
+`_small_m_kernel`; its bytes per second over copy bandwidth): q|k|v 16.1 / 20.6 / 12.5 (0.48),
+o 13.6 / 17.5 / 11.2 (0.36), gate|up 57.0 / 48.0 / 32.5 (0.86), down 32.6 / 47.5 / 31.0 (0.45):
+a decoder layer's four linears 1.37x bf16 (the _scaled_mm path was 0.89x), 1.31-1.35x at
+M = 2-16, 1.13x at 32 (_scaled_mm 0.95x). At M = 64 _scaled_mm is ahead (1.05x bf16 against
+1.01x); at 256 it runs 0.94-1.47x bf16 per shape.
+
+What holds M = 1 back: the narrow layers run N / 64 programs (o and down 64, q|k|v 96) on 132
+multiprocessors, and x's quantization is a launch of its own. Also measured and dropped: a
+CUDA-core GEMV for M = 1 (fp8 -> fp32 conversions, x quantized inside it or before; its tiles
+spilled registers: 0.20-0.38 of copy bandwidth), 32-row tiles (Triton widens fp8 to fp16 for
+mma.sync there: 1.24-1.30x slower at M = 1) and fp16 operands at 64 rows (1.1-2.6x slower).
+`use_fast_accum` stays off: at M = 1 it gave 5e-2 relative error.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+from paphos.layers import pdl
 
 try:
     import triton
@@ -110,10 +125,12 @@ if triton is not None:
     def _quantize_rows_kernel(
         x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride_xm,
         BLOCK: tl.constexpr, STATIC: tl.constexpr, SINGLE: tl.constexpr,
-        QMAX: tl.constexpr, SMIN: tl.constexpr,
+        QMAX: tl.constexpr, SMIN: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One row of x per program: its scale (amax / 448, or the static one) to s_ptr[row] and
         the fp8 codes to q_ptr[row, :]."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xm
         q_row = q_ptr + row * K
@@ -141,6 +158,51 @@ if triton is not None:
                 tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
         tl.store(s_ptr + row, s)
 
+    @triton.jit
+    def _small_m_kernel(
+        q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, stride_qm, stride_wn, stride_om,
+        F8_MMA: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+        BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out^T [BN, BM] = W [BN, K] x_fp8^T [K, BM] on the tensor cores, then both scales and
+        the bias: the weight is the large operand (swap-AB), so BN weight rows fill the MMA's
+        M side however few the tokens (BM >= 16, rows past M load as zeros and are not stored).
+
+        F8_MMA: fp8 x fp8 operands as they are (BN = 64 with 4 warps is Hopper's fp8 wgmma; a
+        smaller BN takes mma.sync, for which Triton widens both to fp16, exactly). Hopper's fp8
+        MMA adds its products with fewer bits than fp32, so its partial sums move into the fp32
+        accumulator every 32 products (max_num_imprecise_acc; Triton's default on sm_90 keeps all
+        of K in it, as _scaled_mm's use_fast_accum does): measured 4.5e-5 of the largest output
+        at K = 4096. Otherwise fp32 operands (the interpreter)."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1; their results are not stored
+        ms = tl.program_id(1) * BM + tl.arange(0, BM)
+        m_ok = ms < M
+        kk = tl.arange(0, BK)
+        w_tile = w_ptr + rows_in.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+        x_tile = q_ptr + ms.to(tl.int64)[None, :] * stride_qm + kk[:, None]  # [BK, BM]: x^T
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                w = tl.load(w_tile + k0)
+                x = tl.load(x_tile + k0, mask=m_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + kk < K
+                w = tl.load(w_tile + k0, mask=k_ok[None, :], other=0.0)
+                x = tl.load(x_tile + k0, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            if F8_MMA:
+                acc = tl.dot(w, x, acc, max_num_imprecise_acc=32)
+            else:
+                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+        sx = tl.load(sx_ptr + ms, mask=m_ok, other=0.0)
+        y = acc * tl.load(sw_ptr + rows_in)[:, None] * sx[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
+        out = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & m_ok[None, :])
+
 
 def triton_quantize(
     x: torch.Tensor, input_scale: torch.Tensor | None = None
@@ -160,7 +222,7 @@ def triton_quantize(
     _quantize_rows_kernel[(m,)](
         x, q, scale, input_scale if static else scale, k, x.stride(0),
         BLOCK=block, STATIC=static, SINGLE=single, QMAX=FP8_MAX, SMIN=MIN_SCALE,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=min(16, max(1, block // 512)), **pdl.options(x),
     )  # fmt: skip
     return q, scale
 
@@ -182,6 +244,72 @@ def quantize_per_tensor(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[tor
     return _quantize(x, input_scale)
 
 
+@dataclass(frozen=True)
+class SmallMConfig:
+    """`_small_m_kernel`'s launch: weight rows and K codes per step, warps, pipeline stages.
+    Tokens per program: M rounded up to a power of two, 16 to 64. The default is the fastest of
+    those benchmarks/bench_fp8_gpu.py measured at every M <= SMALL_M_MAX and Llama-3-8B shape."""
+
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Up to this many tokens fp8_linear runs `small_m_linear`; above, torch._scaled_mm (measured: at
+# M = 32 the Triton kernel is 0.84x _scaled_mm's time over a layer, at 64 1.04x).
+SMALL_M_MAX = 32
+DEFAULT_SMALL_M = SmallMConfig()
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def small_m_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    cfg: SmallMConfig = DEFAULT_SMALL_M,
+) -> torch.Tensor:
+    """fp8_linear's Triton side for x [M, K]: `triton_quantize`, then `_small_m_kernel`
+    (any M; BM tokens per program, BM = M rounded up to a power of two, 16 to 64). CUDA, or
+    CPU tensors under TRITON_INTERPRET=1."""
+    q, scale = _quantize(x, input_scale)
+    m, k = q.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    bm = min(64, max(16, _pow2(m)))
+    _small_m_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))](
+        q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, m, n, k, q.stride(0),
+        weight.stride(0), out.stride(0),
+        F8_MMA=x.is_cuda, HAS_BIAS=bias is not None, BN=cfg.block_n, BM=bm, BK=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
+    )  # fmt: skip
+    return out
+
+
+def scaled_mm_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """fp8_linear's cuBLAS side for x [M, K]: `triton_quantize`, then row-wise `torch._scaled_mm`."""
+    q, scale = _quantize(x, input_scale)
+    # _scaled_mm takes the second operand column-major: W^T of a row-major [N, K] is just that.
+    return torch._scaled_mm(
+        q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), bias=bias,
+        out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+    )  # fmt: skip
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -193,15 +321,15 @@ def fp8_linear(
 ) -> torch.Tensor:
     """y = x W^T (+ bias) with W = weight [N, K] float8_e4m3fn (row-major) * weight_scale [N] fp32,
     x [..., K] quantized per token (input_scale None) or with the static per-tensor input_scale.
-    CUDA, compute capability >= 8.9 (`scaled_mm_unsupported` returns None); no host sync, so it
-    can be captured in a CUDA graph."""
+    Up to SMALL_M_MAX tokens the Triton kernel (`small_m_linear`), above `torch._scaled_mm`
+    (`use_fast_accum` applies there and sends every M there). CUDA, compute capability >= 8.9
+    (`scaled_mm_unsupported` returns None); no host sync, so it can be captured in a CUDA graph
+    (M is fixed per graph, and so is the path)."""
     flat = x.reshape(-1, x.shape[-1])
-    q, scale = _quantize(flat, input_scale)
-    # _scaled_mm takes the second operand column-major: W^T of a row-major [N, K] is just that.
-    y = torch._scaled_mm(
-        q, weight.t(), scale_a=scale, scale_b=weight_scale.view(1, -1), bias=bias,
-        out_dtype=out_dtype, use_fast_accum=use_fast_accum,
-    )  # fmt: skip
+    if 0 < flat.shape[0] <= SMALL_M_MAX and not use_fast_accum:
+        y = small_m_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
+    else:
+        y = scaled_mm_linear(flat, weight, weight_scale, input_scale, out_dtype, bias, use_fast_accum)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
