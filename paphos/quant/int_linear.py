@@ -242,7 +242,18 @@ class IntLinearMethod:
         from paphos.quant.kernels import triton_int
 
         planes = {name: getattr(layer, f"int_{name}") for name in self.plane_names}
-        shape = x.shape
-        y = triton_int.matmul(x.reshape(-1, shape[-1]).contiguous(), planes, self.spec)
-        y = y.reshape(*shape[:-1], y.shape[-1])
+        # x itself when it is 2-D: a view would drop the int8 parts its producer attached (x_int8)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        y = triton_int.matmul(x2, planes, self.spec)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y
+
+    def int8_input_layout(self, layer: nn.Module) -> object | None:
+        """The layout of int8 parts of x the batch-1 GEMV reads (x_int8.feed: the kernel producing
+        x writes them), if any: not with act-order (x is gathered first) or int8 activations."""
+        if self.spec is None or self.spec.has_perm or self.layout.int8_activations:
+            return None
+        from paphos.quant.kernels import triton_int
+
+        return triton_int.int8_layout(self.spec)

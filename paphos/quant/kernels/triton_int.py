@@ -1,0 +1,547 @@
+"""Triton kernels of the integer-weight family (int_layout.py: W4A16 / W8A16 for GPTQ, AWQ and
+compressed-tensors) on CUDA, and `matmul`, the one entry point a linear layer calls every step.
+
+Data flow: a format module packs its checkpoint once (`int_layout.pack`), checks `supports`, then
+calls `matmul(x, planes, spec)` for every forward; by the number of tokens M:
+  - M <= GEMV_MAX_TOKENS (batch-1 decode, and 2 tokens): `_gemv_kernel`, integer dot products
+    (`dp4a`) of the codes with x quantized to two int8 parts per tile group
+    (paphos/quant/x_int8.py: about 15 bits of x), in the layout the GGUF GEMV reads for 4-bit
+    and 8-bit codes, so x's producer can write it (`int8_layout`; x_int8.attached). Scales and
+    zero points apply once per tile group: s * (sum(code * x) - zero * sum(x)). With act-order,
+    `_permute_quantize_kernel` gathers x[:, perm] and quantizes it in the same launch.
+  - M <= FUSED_MAX_TOKENS: `_gemm_kernel`, dequantization fused with `tl.dot` (tensor cores,
+    wgmma) on out^T = W x^T, so the weights are the large operand. 4-bit codes become 16-bit
+    floats two at a time without integer-to-float conversions: a code OR-ed into 128.0 (bf16
+    0x4300; fp16 1024.0, 0x6400) is 128 + code exactly; one packed subtraction of 128 + zero
+    and one packed multiplication by the scale give (code - zero) * scale rounded once
+    (`_nibbles`, inline PTX; 5-12 % faster than float32 math on the H200). Split-K programs
+    write float32 partials and the last one to finish a tile (an atomic counter it resets) sums
+    them: no memset, no cast launch. With act-order x is gathered by one launch first.
+  - above: `_dequant_kernel` writes the weights in x's dtype into the scratch buffer shared with
+    the GGUF family (triton_gguf.scratch), then cuBLAS (F.linear; x gathered by perm first).
+Every kernel is CUDA-graph safe (no host syncs; buffers sized by shapes only); the decode-path
+kernels use programmatic dependent launch (paphos/layers/pdl.py).
+
+Measured on the H200 (benchmarks/bench_int_gpu.py; a Llama-3-8B layer's q|k|v, o, gate|up and
+down summed; CUDA-graph replays, weights read from memory; 4-bit groups of 128): batch 1 43.7 us
+against bf16 cuBLAS 119.6 (2.74 x; 38.8 us = 3.09 x when x's producer writes its int8 parts,
+gate|up at 82 % of copy bandwidth), act-order the same; 8-bit per-channel 1.94 x. Two tokens
+1.10 x. From 4 to 64 tokens the fused kernel reaches only 13-22 % of copy bandwidth
+(0.6-0.87 x bf16): it is latency-bound (about 6.5 instructions and a smem round trip per code
+in Triton's lowering of the dequantized operand, few bytes in flight per SM). 512 / 2048
+tokens: 1.51 / 1.15 x bf16's time (the dequantization's write and re-read of bf16 weights).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from paphos.layers import pdl
+from paphos.quant import x_int8
+from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
+
+try:
+    import triton
+    import triton.language as tl
+
+    from paphos.quant.gguf import triton_gemv, triton_gguf
+except ImportError:  # CPU-only installs: the torch reference serves
+    triton = None
+
+# ---------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+    _TW = tl.constexpr(TILE_WORDS)
+
+    @triton.jit
+    def _nibbles(words, zero, scale, FP16: tl.constexpr, PACKED: tl.constexpr):
+        """Tile-group words [BN, T, 4] -> [BN, T, 4, 8] weights: element p of word w is (code p -
+        zero) * scale; zero and scale broadcast to it (float32). PACKED (inline PTX): in the
+        16-bit float type (fp16 if FP16, else bf16), two elements at a time (whichever two Triton
+        packs: each brings its own code at bits 0-3): their low halves joined (PRMT), OR-ed into
+        128.0 (bf16 0x4300; fp16 1024.0, 0x6400) = 128 + code exactly (LOP3), minus 128 + zero,
+        times the scale: (code - zero) * scale rounded once, with packed 16-bit math. Else in
+        float32."""
+        src = words[:, :, :, None] >> (4 * tl.arange(0, 8))[None, None, None, :]
+        if PACKED:
+            dt = tl.float16 if FP16 else tl.bfloat16
+            zm = (zero + (1024.0 if FP16 else 128.0)).to(dt)  # broadcast by the asm
+            sc = scale.to(dt)
+            if FP16:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; "
+                    "sub.rn.f16x2 t, t, $3; mul.rn.f16x2 $0, t, $4; }", "=r,r,r,r,r", [src, zm, sc], dtype=dt,
+                    is_pure=True, pack=2,
+                )  # fmt: skip
+            else:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 t; prmt.b32 t, $1, $2, 0x5410; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; "
+                    "sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 $0, t, $4; }", "=r,r,r,r,r", [src, zm, sc], dtype=dt,
+                    is_pure=True, pack=2,
+                )  # fmt: skip
+        else:
+            return ((src & 0xF).to(tl.float32) - zero) * scale
+
+    @triton.jit
+    def _dequant_tile(
+        w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift,
+        BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_GROUP: tl.constexpr,
+        FP16: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr,
+    ):  # fmt: skip
+        """Weights [BN, BK] of rows `rows`, K values k0 .. k0 + BK in K order: in the 16-bit float
+        type on the GPU (ASM), else float32 (the interpreter); 4-bit codes through packed 16-bit
+        math where PACKED (`_nibbles`). One 16-byte load per row and tile group;
+        the scales (and zeros) of the tile are BN contiguous values per group (ONE_GROUP: the
+        tile lies in one group), loads the software pipeline can issue ahead."""
+        TV: tl.constexpr = _TW * 32 // BITS  # values per tile group
+        T: tl.constexpr = BK // TV
+        r = rows.to(tl.int64)[:, None, None]
+        m3 = row_ok[:, None, None]
+        t = k0 // TV + tl.arange(0, T)
+        words = tl.load(w_ptr + r * stride_w + (t * _TW)[None, :, None] + tl.arange(0, _TW)[None, None, :],
+                        mask=m3, other=0)  # fmt: skip
+        if ONE_GROUP:
+            at = (k0 >> group_shift).to(tl.int64) * N + rows
+            scale = tl.load(s_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None, None, None]
+            if HAS_Z:
+                zero = tl.load(z_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None, None, None]
+        else:
+            at = ((t * TV) >> group_shift).to(tl.int64)[None, :] * N + rows[:, None]
+            scale = tl.load(s_ptr + at, mask=row_ok[:, None], other=0).to(tl.float32)[:, :, None, None]
+            if HAS_Z:
+                zero = tl.load(z_ptr + at, mask=row_ok[:, None], other=0).to(tl.float32)[:, :, None, None]
+        if not HAS_Z:
+            zero = tl.full(scale.shape, 1 << (BITS - 1), tl.float32)
+        if BITS == 4:
+            v = _nibbles(words, zero, scale, FP16, ASM and PACKED)  # [BN, T, w, p]
+        else:
+            p = tl.arange(0, 4)[None, None, None, :]
+            # the signed byte q - 128 -> 2^23 + q as a float's bits, minus 2^23 + zero: exact
+            b = ((words[:, :, :, None] >> (8 * p)) & 0xFF) ^ 0x4B000080
+            v = (b.to(tl.float32, bitcast=True) - (8388608.0 + zero)) * scale
+        if ASM:
+            v = v.to(tl.float16 if FP16 else tl.bfloat16)
+        # code p of word w is value p * 4 + w of its tile group
+        return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (BN, BK))
+
+    @triton.jit
+    def _gemm_kernel(
+        x_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_xm, stride_om,
+        stride_w, group_shift, iters_per_split,
+        BITS: tl.constexpr, HAS_Z: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr, ONE_GROUP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out [M, N] = x [M, K] W^T for BN rows and BM tokens per program, a slice of K per
+        program along grid axis 1 (SPLIT: more than one slice; the last program of a tile to
+        finish sums the float32 partials)."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+        rows = pid_n * BN + tl.arange(0, BN)
+        row_ok = rows < N
+        ms = pid_m * BM + tl.arange(0, BM)
+        m_ok = ms < M
+        it0 = pid_k * iters_per_split
+        it1 = tl.minimum(it0 + iters_per_split, K // BK)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        x_rows = x_ptr + ms.to(tl.int64)[None, :] * stride_xm
+        for it in range(it0, it1):
+            k0 = it * BK
+            w = _dequant_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, BITS, HAS_Z, BN, BK,
+                              ONE_GROUP, FP16, ASM, PACKED)  # fmt: skip
+            x = tl.load(x_rows + (k0 + tl.arange(0, BK))[:, None], mask=m_ok[None, :], other=0.0)  # [BK, BM]
+            if ASM:
+                acc = tl.dot(w, x, acc)
+            else:  # the interpreter multiplies bf16 as raw integers: float32 operands
+                acc = tl.dot(w, x.to(tl.float32), acc)
+        mask = row_ok[:, None] & m_ok[None, :]
+        o = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        if SPLIT:
+            tile = pid_m * tl.num_programs(0) + pid_n
+            at = ms[None, :] * N + rows[:, None]  # in one [M, N] plane of float32 partials
+            tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
+            _fence(ASM)  # every thread's partial is visible GPU-wide before the count says so
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(1) - 1:  # the last slice of this tile
+                _fence(ASM)
+                total = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in range(0, tl.num_programs(1)):
+                    total += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+        else:
+            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _fence(ASM: tl.constexpr):
+        """A GPU-scope memory fence in every thread (the interpreter runs programs one by one)."""
+        if ASM:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)  # fmt: skip
+
+    @triton.jit
+    def _dequant_kernel(
+        out_ptr, w_ptr, s_ptr, z_ptr, row0, row_end, N, stride_w, group_shift, stride_o,
+        BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_GROUP: tl.constexpr,
+        ASM: tl.constexpr,
+    ):  # fmt: skip
+        """Rows [row0, row_end) of the weights, in the kernel's K order, into out (its dtype)."""
+        rows = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
+        row_ok = rows < row_end
+        k0 = tl.program_id(1) * BK
+        FP16: tl.constexpr = out_ptr.dtype.element_ty == tl.float16
+        w = _dequant_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, BITS, HAS_Z, BN, BK,
+                          ONE_GROUP, FP16, ASM, True)  # fmt: skip
+        o = out_ptr + (rows - row0).to(tl.int64)[:, None] * stride_o + (k0 + tl.arange(0, BK))[None, :]
+        tl.store(o, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _gemv_loads(
+        w_ptr, s_ptr, z_ptr, rows, N, t, t_ok, g, stride_w, HAS_Z: tl.constexpr,
+    ):  # fmt: skip
+        """A block of rows' code words [BN, T, 4] and their tile groups' scales and zeros [BN, T]
+        (g: each tile group's scale group)."""
+        r = rows.to(tl.int64)[:, None]
+        m2 = (rows < N)[:, None] & t_ok[None, :]
+        at = (t * _TW)[None, :, None] + tl.arange(0, _TW)[None, None, :]
+        words = tl.load(w_ptr + r[:, :, None] * stride_w + at, mask=m2[:, :, None], other=0)
+        scale = tl.load(s_ptr + g[None, :] * N + r, mask=m2, other=0)
+        zero = scale
+        if HAS_Z:
+            zero = tl.load(z_ptr + g[None, :] * N + r, mask=m2, other=0)
+        return words, scale, zero
+
+    @triton.jit
+    def _gemv_rows(
+        words, scale, zero, q1a, q1b, q2a, q2b, dx, xsum, rows, N, out_ptr,
+        BITS: tl.constexpr, HAS_Z: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
+        """A block of rows' outputs for one token: per tile group the integer dots of the stored
+        codes (q, or q - 128 for 8 bits) with x's two int8 parts, then s * (dot - (zero - stored
+        offset) * sum(x)), summed over K."""
+        ca, cb = triton_gemv._code_bytes(words, words, BITS, 0)
+        dot = (triton_gemv._int8_dot(ca, cb, q1a, q1b, BITS, ASM).to(tl.float32) * dx[None, :]
+               + triton_gemv._int8_dot(ca, cb, q2a, q2b, BITS, ASM).to(tl.float32)
+               * (dx * (1.0 / 254.0))[None, :])  # fmt: skip
+        stored: tl.constexpr = 128 if BITS == 8 else 0
+        if HAS_Z:
+            dot -= (zero.to(tl.float32) - stored) * xsum[None, :]
+        elif (1 << (BITS - 1)) != stored:
+            dot -= ((1 << (BITS - 1)) - stored) * xsum[None, :]
+        y = tl.sum(scale.to(tl.float32) * dot, axis=1)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def _gemv_kernel(
+        q_ptr, f_ptr, out_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_w, stride_om, group_shift,
+        BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, RPP: tl.constexpr,
+        MULTI: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One program per RPP rows and the whole of K (T tile groups, a power of two >= K / TV).
+        One token: x's int8 parts stay in registers, BN rows at a time, software-pipelined as the
+        GGUF GEMV (the next row block's loads issued before this block's sums, the first block's
+        before waiting for the kernels that write x). MULTI (M tokens, RPP = BN): the block of
+        weights is read once, then multiplied with each token's parts in turn (x of all tokens
+        quantized as one vector: token m's tile groups follow token m - 1's; from L1)."""
+        pdl.release(PDL)
+        TV: tl.constexpr = _TW * 32 // BITS
+        t = tl.arange(0, T)
+        t_ok = t < K // TV
+        g = ((t * TV) >> group_shift).to(tl.int64)
+        rows = tl.program_id(0) * RPP + tl.arange(0, BN)
+        words, scale, zero = _gemv_loads(w_ptr, s_ptr, z_ptr, rows, N, t, t_ok, g, stride_w, HAS_Z)
+        pdl.wait(PDL)
+        n_groups = M * (K // TV)
+        if MULTI:
+            for m in range(0, M):
+                q1a, q1b, q2a, q2b, dx, xsum = x_int8.load_groups(
+                    q_ptr, f_ptr, t + m * (K // TV), t_ok, n_groups, BITS, _TW
+                )
+                _gemv_rows(words, scale, zero, q1a, q1b, q2a, q2b, dx, xsum, rows, N, out_ptr + m * stride_om, BITS,
+                           HAS_Z, ASM)  # fmt: skip
+        else:
+            q1a, q1b, q2a, q2b, dx, xsum = x_int8.load_groups(q_ptr, f_ptr, t, t_ok, n_groups, BITS, _TW)
+            for rb in tl.static_range(0, RPP, BN):
+                if rb + BN < RPP:
+                    words_n, scale_n, zero_n = _gemv_loads(w_ptr, s_ptr, z_ptr, rows + BN, N, t, t_ok, g, stride_w,
+                                                           HAS_Z)  # fmt: skip
+                _gemv_rows(
+                    words, scale, zero, q1a, q1b, q2a, q2b, dx, xsum, rows, N, out_ptr, BITS, HAS_Z, ASM
+                )
+                if rb + BN < RPP:
+                    words, scale, zero = words_n, scale_n, zero_n
+                    rows += BN
+
+    @triton.jit
+    def _permute_quantize_kernel(
+        x_ptr, perm_ptr, xp_ptr, q_ptr, f_ptr, K, n_groups,
+        LO: tl.constexpr, TB: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """x[:, perm] of every token (x [M, K] flat) into xp, then its int8 parts
+        (x_int8.store_groups), TB tile groups per program: each program quantizes the values it
+        gathered itself (a barrier between)."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        TV: tl.constexpr = _TW * 32 // LO
+        k = tl.program_id(0) * (TB * TV) + tl.arange(0, TB * TV)
+        ok = k < n_groups * TV
+        src = (k // K) * K + tl.load(perm_ptr + k % K, mask=ok, other=0)
+        tl.store(xp_ptr + k, tl.load(x_ptr + src, mask=ok, other=0.0), mask=ok)
+        tl.debug_barrier()
+        t = tl.program_id(0) * TB + tl.arange(0, TB)
+        x_int8.store_groups(xp_ptr, q_ptr, f_ptr, t, t < n_groups, n_groups, LO, _TW)
+
+
+# ---------------------------------------------------------------------------- launch configuration
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """`_gemm_kernel`'s launch: tile rows (BN), tokens (BM), K per step (BK), K slices."""
+
+    block_n: int = 64
+    block_m: int = 16
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    packed_math: bool = True  # 4-bit codes through packed 16-bit PTX (False: float32 math)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """`_gemv_kernel`'s launch: rows per step, warps, rows per program (one token; with several
+    each program takes one step of block_n rows)."""
+
+    block_n: int = 1
+    num_warps: int = 4
+    rows_per_program: int = 4
+
+
+# Up to this many tokens the integer-dot GEMV runs (weights read once for all of them; it lost
+# to the fused kernel from 4 tokens on the H200, bench_int_gpu.py).
+GEMV_MAX_TOKENS = 2
+# Up to this many tokens (by code width) the fused kernel runs; above, dequantize + cuBLAS: the
+# H200 crossover on a Llama-3-8B layer's four linears (bench_int_gpu.py).
+FUSED_MAX_TOKENS = {4: 128, 8: 64}
+NUM_SMS_GUESS = 132
+COUNTERS = 1 << 16  # split-K tile counters per device (zero between launches)
+
+
+def supports(spec: IntSpec, device: torch.device, dtype: torch.dtype) -> bool:
+    """CUDA of compute capability 9.0 or later (packed bf16 arithmetic in PTX), Triton, fp16 / bf16
+    activations, and a spec the layout holds (`IntSpec.invalid`)."""
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and spec.invalid() is None
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
+def int8_layout(spec: IntSpec) -> x_int8.Int8Layout:
+    """The layout in which the batch-1 GEMV reads x as int8 parts (what x's producer may write)."""
+    return x_int8.Int8Layout(spec.bits, TILE_WORDS)
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def fit_block_k(block_k: int, spec: IntSpec) -> int:
+    """The largest power of two <= block_k dividing K (a multiple of 32); it lies within one scale
+    group or covers whole ones, since group sizes are powers of two or K."""
+    while block_k > 32 and spec.in_features % block_k:
+        block_k //= 2
+    return block_k
+
+
+def group_shift(spec: IntSpec) -> int:
+    """k >> group_shift is the scale group of K index k (per-channel: always 0)."""
+    return 31 if spec.group_size == spec.in_features else spec.group_size.bit_length() - 1
+
+
+def gemm_config(spec: IntSpec, m: int) -> GemmConfig:
+    """`_gemm_kernel`'s launch at M tokens, by the rule the H200 sweep's winners on the Llama-3-8B
+    shapes follow (bench_int_gpu.py): tokens padded to a power of two >= 16 (at most 128), 64 rows
+    and 128 K values per step, K split until the grid holds 4 programs per SM (2 from 64 tokens
+    per tile), each slice at least 4 steps."""
+    bm = min(128, max(16, _pow2(m)))
+    bn, bk = 64, fit_block_k(128, spec)
+    n_iters = spec.in_features // bk
+    tiles = math.ceil(spec.out_features / bn) * math.ceil(m / bm)
+    target = (4 if bm <= 32 else 2) * NUM_SMS_GUESS
+    split = 1
+    while tiles * split < target and n_iters // (split * 2) >= 4:
+        split *= 2
+    return GemmConfig(bn, bm, bk, split, 4, 3)
+
+
+def gemv_config(spec: IntSpec, m: int = 1) -> GemvConfig:
+    """`_gemv_kernel`'s launch, by rule from the H200 sweep (bench_int_gpu.py). One token: one
+    row per step and four per program; 8 warps and 8 rows where a row holds more than 256 tile
+    groups of 8-bit codes (each thread's share of x halves, as in the GGUF GEMV). Several: 4-bit
+    blocks of 2 rows on 8 warps; 8-bit blocks of 4 rows on 4 warps, of 2 past 256 tile groups
+    (where 4 rows spill registers)."""
+    long_8bit = spec.bits == 8 and spec.in_features // spec.tile_values > 256
+    if m > 1:
+        if spec.bits == 4:
+            return GemvConfig(2, 8, 2)
+        return GemvConfig(2, 4, 2) if long_8bit else GemvConfig(4, 4, 4)
+    return GemvConfig(1, 8, 8) if long_8bit else GemvConfig()
+
+
+# ---------------------------------------------------------------------------- launches
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split-K tile counters (zero between launches: the last program of a tile resets its
+    own). Made on first use, which the engine's eager warm-up runs before graph capture."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        _COUNTERS[device] = buf = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def _zeros_plane(planes: dict[str, torch.Tensor]) -> torch.Tensor:
+    return planes.get("zeros", planes["scales"])
+
+
+def _asm(x: torch.Tensor) -> bool:
+    """Inline PTX (packed 16-bit math, dp4a, fences) on the GPU; plain operations in the
+    interpreter (TRITON_INTERPRET=1, CPU tensors)."""
+    return x.is_cuda
+
+
+def gemm(
+    x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec, cfg: GemmConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] (contiguous) -> [M, N] in x's dtype with `_gemm_kernel` (any M; `cfg` overrides
+    `gemm_config`). Act-order: x gathered by one launch first (measured: gathering inside the
+    kernel, a load per x element beside the weights', was 1.5-4 x slower at 16-32 tokens)."""
+    m, k = x.shape
+    n = spec.out_features
+    cfg = cfg or gemm_config(spec, m)
+    if spec.has_perm:
+        x = x.index_select(1, planes["perm"])
+    bk = fit_block_k(cfg.block_k, spec)
+    n_iters = k // bk
+    per_split = math.ceil(n_iters / max(1, cfg.split_k))
+    splits = math.ceil(n_iters / per_split)
+    grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))
+    # float32 partials [splits, M, N] indexed in int32
+    split = splits > 1 and grid[0] * grid[2] <= COUNTERS and splits * m * n < 1 << 31
+    if not split:
+        per_split, grid = n_iters, (grid[0], 1, grid[2])
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(grid[1] if split else 1, m, n, dtype=torch.float32, device=x.device)
+    counters = _counters(x.device) if split else partials
+    w = planes["qweight"]
+    _gemm_kernel[grid](
+        x, out, partials, counters, w, planes["scales"], _zeros_plane(planes), m, n, k,
+        x.stride(0), out.stride(0), w.stride(0), group_shift(spec), per_split,
+        BITS=spec.bits, HAS_Z=spec.has_zeros, BM=cfg.block_m, BN=cfg.block_n, BK=bk,
+        ONE_GROUP=bk <= spec.group_size, SPLIT=split, ASM=_asm(x), PACKED=cfg.packed_math,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
+    )  # fmt: skip
+    return out
+
+
+def quantize_x(x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec) -> x_int8.Int8X:
+    """x [M, K] -> the int8 parts of all its tokens as one vector in the GEMV's layout (token m's
+    tile groups after token m - 1's): attached by x's producer (one token), else one launch
+    (act-order: gathered through perm in the same launch)."""
+    layout = int8_layout(spec)
+    flat = x.reshape(-1)
+    if not spec.has_perm:
+        return (x_int8.attached(x, layout) if x.shape[0] == 1 else None) or x_int8.quantize(flat, layout)
+    parts = x_int8.empty(flat, layout)
+    n_groups = parts.scales.shape[1]
+    xp = torch.empty_like(flat)
+    _permute_quantize_kernel[(triton.cdiv(n_groups, x_int8.QUANTIZE_GROUPS),)](
+        flat, planes["perm"], xp, parts.words, parts.scales, spec.in_features, n_groups, LO=spec.bits,
+        TB=x_int8.QUANTIZE_GROUPS, num_warps=1, **pdl.options(x),
+    )  # fmt: skip
+    return parts
+
+
+def gemv(
+    x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec, cfg: GemvConfig | None = None,
+    xq: x_int8.Int8X | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> [M, N] in x's dtype with `_gemv_kernel` (`xq`: x's parts, else `quantize_x`);
+    several tokens take one step of cfg.block_n rows per program."""
+    m = x.shape[0]
+    cfg = cfg or gemv_config(spec, m)
+    xq = xq or quantize_x(x, planes, spec)
+    n, k = spec.out_features, spec.in_features
+    rpp = cfg.rows_per_program if m == 1 else cfg.block_n
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    w = planes["qweight"]
+    _gemv_kernel[(triton.cdiv(n, rpp),)](
+        xq.words, xq.scales, out, w, planes["scales"], _zeros_plane(planes), m, n, k, w.stride(0), out.stride(0),
+        group_shift(spec),
+        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, T=_pow2(k // spec.tile_values), RPP=rpp,
+        MULTI=m > 1, ASM=_asm(x), num_warps=cfg.num_warps, **pdl.options(x),
+    )  # fmt: skip
+    return out
+
+
+def dequantize_into(planes: dict[str, torch.Tensor], spec: IntSpec, row0: int, row_end: int, dst: torch.Tensor,
+                    block_n: int = 32, block_k: int = 128) -> None:  # fmt: skip
+    """Rows [row0, row_end) of the weights, K in the kernel's order (perm not undone), into dst
+    [row_end - row0, K] (its dtype: fp16 / bf16 on the GPU, float32 in the interpreter)."""
+    bk = fit_block_k(block_k, spec)
+    w = planes["qweight"]
+    grid = (triton.cdiv(row_end - row0, block_n), spec.in_features // bk)
+    _dequant_kernel[grid](
+        dst, w, planes["scales"], _zeros_plane(planes), row0, row_end, spec.out_features, w.stride(0),
+        group_shift(spec), dst.stride(0), BITS=spec.bits, HAS_Z=spec.has_zeros, BN=block_n, BK=bk,
+        ONE_GROUP=bk <= spec.group_size, ASM=dst.is_cuda, num_warps=4,
+    )  # fmt: skip
+
+
+def dequant_matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec) -> torch.Tensor:
+    """x [M, K] -> [M, N]: the weights dequantized into the shared scratch buffer (in row chunks
+    where it is smaller), then cuBLAS; x gathered by perm first."""
+    m, k = x.shape
+    n = spec.out_features
+    if spec.has_perm:
+        x = x.index_select(1, planes["perm"])
+    buf = triton_gguf.scratch(x.device, x.dtype, n * k)
+    chunk = max(1, buf.numel() // k)
+    if n <= chunk:
+        w = buf[: n * k].view(n, k)
+        dequantize_into(planes, spec, 0, n, w)
+        return F.linear(x, w)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        w = buf[: (b - a) * k].view(b - a, k)
+        dequantize_into(planes, spec, a, b, w)
+        out[:, a:b] = F.linear(x, w)
+    return out
+
+
+def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec) -> torch.Tensor:
+    """x [M, K] bf16 / fp16 (contiguous) -> [M, N] in x's dtype: the integer-dot GEMV up to
+    GEMV_MAX_TOKENS, the fused kernel up to FUSED_MAX_TOKENS, dequantize + cuBLAS above (module
+    docstring)."""
+    m = x.shape[0]
+    if m <= GEMV_MAX_TOKENS:
+        return gemv(x, planes, spec)
+    if m <= FUSED_MAX_TOKENS[spec.bits]:
+        return gemm(x, planes, spec)
+    return dequant_matmul(x, planes, spec)
