@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paphos.layers import fused
-from paphos.quant import x_int8
+from paphos.layers import fused, x_int8
 
 
 class SiluAndMul(nn.Module):

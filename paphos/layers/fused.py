@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from paphos.layers import pdl
-from paphos.quant import x_int8
+from paphos.layers import pdl, x_int8
 
 try:
     import triton

@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paphos.layers import fused
+from paphos.layers import fused, x_int8
 from paphos.layers.weights import default_weight_loader
-from paphos.quant import x_int8
 
 
 class RMSNorm(nn.Module):

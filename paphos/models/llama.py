@@ -16,6 +16,7 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
+from paphos.layers import x_int8
 from paphos.layers.activation import GeluTanhAndMul, SiluAndMul
 from paphos.layers.embedding import LMHead, VocabEmbedding
 from paphos.layers.linear import Linear, LinearBase, LinearMethod, MergedColumnLinear, QKVLinear, QuantConfig
@@ -24,7 +25,6 @@ from paphos.layers.rotary import RotaryEmbedding
 from paphos.layers.weights import ShapeMismatchError, default_weight_loader
 from paphos.models import hf_config
 from paphos.models.errors import UnsupportedModelError, WeightLoadError
-from paphos.quant import x_int8
 
 
 def _method(quant_config: QuantConfig | None, prefix: str) -> LinearMethod | None:

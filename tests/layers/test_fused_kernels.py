@@ -7,11 +7,10 @@ shapes. The kernels round like the torch reference, so bf16 results must agree t
 import pytest
 import torch
 
-from paphos.layers import fused
+from paphos.layers import fused, x_int8
 from paphos.layers.activation import SiluAndMul
 from paphos.layers.norm import RMSNorm
 from paphos.layers.rotary import RotaryEmbedding
-from paphos.quant import x_int8
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,15 +23,17 @@ def run_schedule(model, caches, seqs: list[torch.Tensor], steps: list[list[int]]
         [len(s) for s in seqs], BLOCK, NUM_BLOCKS, torch.Generator().manual_seed(1)
     )
     done = [0] * len(seqs)
+    device = seqs[0].device  # the GPU benchmark drives a CUDA model with it too
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for step in steps:
         active = [i for i, n in enumerate(step) if n]
         ids, pos = [], []
         for i in active:
             ids.append(seqs[i][done[i] : done[i] + step[i]])
-            pos.append(torch.arange(done[i], done[i] + step[i]))
+            pos.append(torch.arange(done[i], done[i] + step[i], device=device))
         md = build_metadata(
-            [step[i] for i in active], [done[i] + step[i] for i in active], [tables[i] for i in active], BLOCK
+            [step[i] for i in active], [done[i] + step[i] for i in active], [tables[i] for i in active], BLOCK,
+            device=device,
         )
         with torch.inference_mode():
             hidden = model(torch.cat(ids), torch.cat(pos), caches, md)

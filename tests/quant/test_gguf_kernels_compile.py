@@ -90,7 +90,7 @@ def _integer_gemv(type_name: str, rows: int, k: int) -> None:
 
 
 def _quantize_x(type_name: str) -> None:
-    from paphos.quant import x_int8
+    from paphos.layers import x_int8
     from paphos.quant.gguf import planes
 
     fmt = planes.FORMATS[type_name]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from paphos.quant import x_int8
+from paphos.layers import x_int8
 from paphos.quant.gguf import planes
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import GGUFShard
@@ -27,7 +27,7 @@ from tests.quant.gguf_blocks import random_blocks, weight_scale
 
 _MODULE = "paphos.quant.gguf.triton_gguf"
 _GEMV = "paphos.quant.gguf.triton_gemv"
-_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.quant.x_int8", _GEMV)
+_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", _GEMV)
 
 
 def _reimport(interpret: bool) -> bool:

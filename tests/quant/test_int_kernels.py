@@ -39,7 +39,7 @@ from tests.device_triton import TRITON_IDS, TRITONS, compile_env
 
 ROOT = Path(__file__).resolve().parents[2]
 _MODULE = "paphos.quant.kernels.triton_int"
-_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.quant.x_int8", "paphos.quant.gguf.triton_gemv")
+_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv")
 
 
 def _reimport(interpret: bool) -> bool:
@@ -236,7 +236,7 @@ def test_matmul_dispatch_in_bf16(ti, spec: IntSpec, monkeypatch: pytest.MonkeyPa
 
 
 def test_supports_and_int8_layout(ti) -> None:  # noqa: ANN001
-    from paphos.quant import x_int8
+    from paphos.layers import x_int8
 
     spec = IntSpec(4, 128, 256, 64, False, False)
     assert not ti.supports(spec, torch.device("cpu"), torch.bfloat16)
@@ -335,7 +335,7 @@ def _gemv(bits: int, zeros: bool, k: int, m: int) -> None:
 
 
 def _permute_quantize() -> None:
-    from paphos.quant import x_int8
+    from paphos.layers import x_int8
     from paphos.quant.kernels import triton_int as ti
 
     args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "xp_ptr": "*bf16", "q_ptr": "*i32", "f_ptr": "*fp32", "K": "i32",

@@ -31,11 +31,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from paphos.layers import x_int8
 from paphos.layers.linear import LinearBase
 from paphos.layers.weights import copy_checked
 from paphos.loader.gguf_loader import GGUFCheckpoint
 from paphos.loader.gguf_reader import GGUFTensor
-from paphos.quant import x_int8
 from paphos.quant.gguf.dequant import SUPPORTED_TYPES, dequantize
 from paphos.quant.gguf.kernels import (
     DequantPerCallKernel,

@@ -10,7 +10,7 @@ dtype. Two kernels:
 4-bit weight brings 8 codes per 4 bytes, so instructions per code decide whether the GEMV streams
 at memory speed (an H200 SM issues 128 lanes of instructions per clock). Here codes are never
 converted to floats: x comes as two int8 parts per tile group, packed in the codes' byte order
-(paphos/quant/x_int8.py: about 15 bits of x, results within 1e-4 of the exact product), written
+(paphos/layers/x_int8.py: about 15 bits of x, results within 1e-4 of the exact product), written
 once per step and code layout by the kernel that produced x or by one small launch; each program
 loads it for the whole of K (T tile groups in registers, one per thread or a few) and streams RPP
 rows past it, BN at a time: per word of 8 nibbles two masks and four `dp4a` (4 byte products
@@ -39,8 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paphos.layers import pdl
-from paphos.quant import x_int8
+from paphos.layers import pdl, x_int8
 
 if TYPE_CHECKING:
     from paphos.quant.gguf.planes import Format

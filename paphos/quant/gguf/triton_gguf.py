@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paphos.quant import x_int8
+from paphos.layers import x_int8
 from paphos.quant.gguf import triton_gemv
 from paphos.quant.gguf.dequant import IQ4_KVALUES
 from paphos.quant.gguf.planes import FORMATS, PLANES, Format, repack, type_size

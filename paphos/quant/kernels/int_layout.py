@@ -17,7 +17,7 @@ Planes (row-major):
            bits); value p * 4 + w of a tile group is code p of word w (bits [bits * p, bits * (p
            + 1))). So a thread's one 16-byte load holds, for each code position p, four
            consecutive values: x for them is one vector too (the integer-dot GEMV reads x as
-           paphos/quant/x_int8.py packs it for this layout, the tensor-core kernels reorder in
+           paphos/layers/x_int8.py packs it for this layout, the tensor-core kernels reorder in
            registers). 4-bit codes are stored as is (0..15); 8-bit codes as the signed byte
            q - 128, what `dp4a` multiplies.
   scales   [G, N] in the dtype given (the model dtype): transposed, so a tile's scales are

@@ -5,7 +5,7 @@ Data flow: a format module packs its checkpoint once (`int_layout.pack`), checks
 calls `matmul(x, planes, spec)` for every forward; by the number of tokens M:
   - M <= GEMV_MAX_TOKENS (batch-1 decode, and 2 tokens): `_gemv_kernel`, integer dot products
     (`dp4a`) of the codes with x quantized to two int8 parts per tile group
-    (paphos/quant/x_int8.py: about 15 bits of x), in the layout the GGUF GEMV reads for 4-bit
+    (paphos/layers/x_int8.py: about 15 bits of x), in the layout the GGUF GEMV reads for 4-bit
     and 8-bit codes, so x's producer can write it (`int8_layout`; x_int8.attached). Scales and
     zero points apply once per tile group: s * (sum(code * x) - zero * sum(x)). With act-order,
     `_permute_quantize_kernel` gathers x[:, perm] and quantizes it in the same launch.
@@ -40,8 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from paphos.layers import pdl
-from paphos.quant import x_int8
+from paphos.layers import pdl, x_int8
 from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
 
 try:

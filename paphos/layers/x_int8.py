@@ -1,4 +1,7 @@
-"""x as two int8 parts per tile group: the input of the integer-dot GEMV (triton_gemv.py).
+"""x as two int8 parts per tile group: the input of the quantized formats' integer-dot GEMVs
+(paphos/quant/gguf/triton_gemv.py, paphos/quant/kernels/triton_int.py). It lives with the layers
+because the layers produce it; a format opts in through its method's `int8_input_layout`, so
+layers and models never import a quantization format.
 
 Data flow at batch 1 on CUDA: the kernel that produces a linear layer's input (residual add +
 RMSNorm, SiLU x mul: paphos/layers/fused.py) writes x and, in the same kernel, these parts in
