@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # GGUF header or config.json). An explicit value must match the model, except fp8 on an
 # unquantized one (quantized at load); the *_marlin names are Aphrodite's for the same checkpoints
 # (paphos/quant/registry.py reconciles them at load).
-QUANTIZATIONS = ("gguf", "gptq", "gptq_marlin", "marlin", "awq", "awq_marlin", "compressed-tensors", "fp8")
+QUANTIZATIONS = ("gguf", "gptq", "gptq_marlin", "marlin", "awq", "awq_marlin", "compressed-tensors", "fp8", "exl2")
 
 
 class ConfigError(ValueError):

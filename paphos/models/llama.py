@@ -245,7 +245,10 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_windows: list[int | None] = self.layer_sliding_windows(config)
         self.model = self.build_model(config, dtype, attn_backend, quant_config)
         self.final_soft_cap: float | None = getattr(config, "final_logit_softcapping", None)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_word_embeddings_default))
+        # A format may carry its own quantized head even for a tied model (EXL2): then it is untied.
+        self.tie_word_embeddings = bool(
+            getattr(config, "tie_word_embeddings", self.tie_word_embeddings_default)
+        ) and not getattr(quant_config, "unties_lm_head", False)
         # The head's quant method: GGUF blocks of lm_head.weight (a head tied to a quantized
         # embedding runs through the embedding's method instead), or llama.cpp's input rounding
         # over the float weight; None = F.linear on a float weight.

@@ -56,6 +56,12 @@ def _fp8(qc: dict[str, Any], source: Any, numerics: str) -> Any:
     return Fp8Config.from_hf_quant_config(qc)
 
 
+def _exl2(qc: dict[str, Any], source: Any, numerics: str) -> Any:
+    from paphos.quant.exl2 import EXL2Config
+
+    return EXL2Config.from_quant_config(qc)
+
+
 def _gguf(qc: dict[str, Any], source: Any, numerics: str) -> Any:
     from paphos.quant.gguf import quant_config_for_source
 
@@ -68,6 +74,7 @@ _BUILDERS: dict[str, Callable[[dict[str, Any], Any, str], Any]] = {
     "awq": _awq,
     "compressed-tensors": _compressed_tensors,
     "fp8": _fp8,
+    "exl2": _exl2,
 }
 
 def checkpoint_quantization(source: Any) -> tuple[str | None, dict[str, Any], str]:

@@ -1,0 +1,249 @@
+"""EXL2 checkpoints (ExLlamaV2's converter): `quantization_config.quant_method == "exl2"`.
+
+Data flow: registry.select -> `EXL2Config.from_quant_config(qc)` -> every decoder linear and the
+`lm_head` get an `EXL2LinearMethod` -> the model's `load_weights` hands each checkpoint tensor to
+the method's loader, which keeps it per shard -> `process_weights_after_loading` decodes each shard
+(`dequantize`) into one dense weight [N, K] in the model dtype and frees the checkpoint tensors ->
+`F.linear`. There is no EXL2 kernel yet, so this is the GPU path too; start-up logs
+"EXL2: N layers dequantized at load (no EXL2 kernel yet)".
+
+The layout, per quantized linear (in K -> out N; the converter pads N to a multiple of 32):
+  q_weight     int32 [R, N]    per output column a little-endian bit stream, group after group;
+                               each run of 32 input rows of a `bits`-bit group takes `bits` words,
+                               code v of the run at stream bits [v * bits, (v + 1) * bits), so
+                               3/5/6/7-bit codes straddle word boundaries
+  q_scale      int32 [G, N/8]  4-bit scale codes qs: nibble n % 8 of word n // 8
+  q_scale_max  fp16  [G]
+  q_groups     int16 [2G]      per group (bits, first q_weight row); the converter sorts groups by
+                               descending bits, with 32, 64 or 128 rows each (the last takes the
+                               rest); read as uint16
+  q_invperm    int32 [K]       stored row q_invperm[k] holds input row k
+  (bias        fp16  [N])      unpadded, loaded by the layer like any bias
+w[n, k] = (code - 2**(bits - 1)) * s, s = fp16((qs + 1)**2 * fp16(q_scale_max[g] / 256)), with code
+and g those of stored row q_invperm[k], column n. The two fp16 roundings of the scale are
+exllamav2's, in its converter (which chose the codes against these scales: AdaptiveQuantizer
+rounds them "for sanity") and in its kernels (make_q_matrix divides the fp16 q_scale_max by 256 in
+place; dq_scale multiplies in fp16); a maximum below 2**-6 makes max / 256 an fp16 subnormal, so
+the exact (qs + 1)**2 * max / 256 of quant-toolchain.md §5.3 can be ~1% off in 6- and 8-bit groups
+of small weights. The product with the code then needs at most 19 significant bits: float32 holds
+it exactly, and an fp16 model's weight should be exllamav2's reconstruction bit for bit (its
+kernels round that product to fp16 once). All of this is read in exllamav2's source; the fixture of
+scripts/quant_fixtures/exllamav2_fixtures.py is what will confirm it on the tool.
+
+Merged layers: q, k and v (gate and up) are quantized separately, each with its own groups,
+permutation and number of q_weight rows, so they cannot sit side by side on the output axis of
+one parameter as GPTQ's do; and every shape but q_invperm's depends on the bit allocation the
+converter chose, so nothing can be allocated before the file is read. Each checkpoint tensor name
+therefore gets a zero-size placeholder parameter (so `load_weights` finds a target for it and names
+any that is missing); its loader keeps the loaded tensor in the method, keyed by (name, shard).
+After loading, each shard is decoded on its own, cropped to its output rows and stacked.
+
+The head: exllamav2 writes a separately quantized `lm_head` (`head_bits`) even for models with
+tied embeddings, and runs that head; `EXL2Config.unties_lm_head` tells the model to load it untied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paphos.layers.weights import ShapeMismatchError
+from paphos.quant.errors import QuantConfigError, field_value
+from paphos.quant.int_linear import IntKernelLog
+from paphos.quant.modules import checkpoint_modules
+
+CHECKPOINT_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm")
+# The bit widths exllamav2's converter offers for the head (`-hb`); an fp16 head (16) predates
+# `quantization_config` in config.json.
+HEAD_BITS = (2, 3, 4, 5, 6, 8)
+DEQUANTIZED = "dequantized at load (no EXL2 kernel yet)"
+
+
+class EXL2FormatError(ValueError):
+    """A layer's EXL2 tensors contradict each other; `tensor` names the one at fault."""
+
+    def __init__(self, tensor: str, detail: str) -> None:
+        super().__init__(f"EXL2 tensor {tensor}: {detail}")
+        self.tensor = tensor
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Group:
+    bits: int
+    words: slice  # its rows of q_weight
+    rows: slice  # its stored rows (input rows in q_invperm's order)
+
+
+def parse_groups(q_groups: torch.Tensor, q_weight_rows: int, k: int) -> list[Group]:
+    """The groups of a tensor with `k` input rows, checked against the q_weight rows they claim."""
+    if q_groups.dim() != 1 or q_groups.numel() == 0 or q_groups.numel() % 2:
+        raise EXL2FormatError("q_groups", f"shape {list(q_groups.shape)}: expected pairs (bits, first q_weight row)")
+    pairs = (q_groups.to(torch.int64) & 0xFFFF).tolist()
+    bits, starts = pairs[0::2], pairs[1::2]
+    groups, row = [], 0
+    for g, (b, w0, w1) in enumerate(zip(bits, starts, [*starts[1:], q_weight_rows], strict=True)):
+        if not 1 <= b <= 8:
+            raise EXL2FormatError("q_groups", f"group {g} has {b} bits (EXL2 codes have 1 to 8)")
+        if (g == 0 and w0 != 0) or w1 <= w0:
+            raise EXL2FormatError(
+                "q_groups", f"group {g} starts at q_weight row {w0}, next at {w1} (of {q_weight_rows}): "
+                "groups must start at row 0 and follow each other"
+            )  # fmt: skip
+        if g < len(bits) - 1:
+            rows, whole = (w1 - w0) * 32 // b, (w1 - w0) * 32 % b == 0
+        else:  # the last group takes the remaining input rows, its words rounded up
+            rows = k - row
+            whole = rows > 0 and w1 - w0 == -(-rows * b // 32)
+        if not whole:
+            raise EXL2FormatError(
+                "q_groups", f"group {g} ({b} bits, q_weight rows {w0}..{w1}) does not fit {k} input rows"
+            )
+        groups.append(Group(b, slice(w0, w1), slice(row, row + rows)))
+        row += rows
+    return groups
+
+
+def _unpack_group(words: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """int64 words [W, N] (unsigned 32-bit values) -> codes [rows, N] of one group's bit streams."""
+    n = words.shape[1]
+    runs = F.pad(words, (0, 0, 0, -words.shape[0] % bits)).view(-1, bits, n)  # 32 codes per run
+    start = torch.arange(32, device=words.device) * bits
+    lo, shift = start // 32, (start % 32)[:, None]
+    straddles = (shift + bits > 32).long()  # the code's high bits are in the next word
+    hi = lo + straddles[:, 0]
+    # a straddling code starts at bit 25 or later, so its high word moves left by at most 7 bits
+    codes = (runs[:, lo] >> shift) | ((runs[:, hi] * straddles) << (32 - shift))
+    return (codes & ((1 << bits) - 1)).reshape(-1, n)[:rows]
+
+
+def dequantize(
+    q_weight: torch.Tensor,
+    q_scale: torch.Tensor,
+    q_scale_max: torch.Tensor,
+    q_groups: torch.Tensor,
+    q_invperm: torch.Tensor,
+) -> torch.Tensor:
+    """One EXL2 linear's weight, float32 [N, K] (N as stored, padding included), exactly by the
+    module docstring's rule; EXL2FormatError names the tensor that does not fit."""
+    k, n = q_invperm.numel(), q_weight.shape[1]
+    groups = parse_groups(q_groups, q_weight.shape[0], k)
+    if tuple(q_scale.shape) != (len(groups), -(-n // 8)):
+        raise EXL2FormatError("q_scale", f"shape {list(q_scale.shape)}, expected {[len(groups), -(-n // 8)]}")
+    if tuple(q_scale_max.shape) != (len(groups),):
+        raise EXL2FormatError("q_scale_max", f"shape {list(q_scale_max.shape)}, expected {[len(groups)]}")
+    invperm = q_invperm.long()
+    if not torch.equal(invperm.sort().values, torch.arange(k, device=invperm.device)):
+        raise EXL2FormatError("q_invperm", f"is not a permutation of 0..{k - 1}")
+    nibbles = torch.arange(0, 32, 4, device=q_scale.device)
+    qs = ((q_scale.to(torch.int64)[:, :, None] >> nibbles) & 15).reshape(len(groups), -1)[:, :n]
+    # exllamav2's fp16 scale (module docstring); float32 holds it, and its products with codes, exactly
+    smax = (q_scale_max.float() / 256).half().float()
+    factor = ((qs + 1).square().float() * smax[:, None]).half().float()  # [G, N]
+    words = q_weight.to(torch.int64) & 0xFFFFFFFF
+    stored = torch.empty(n, k, dtype=torch.float32, device=q_weight.device)
+    for g, group in enumerate(groups):
+        codes = _unpack_group(words[group.words], group.bits, group.rows.stop - group.rows.start)
+        stored[:, group.rows] = ((codes - (1 << (group.bits - 1))).float() * factor[g]).t()
+    return stored[:, invperm]
+
+
+def _check_loaded(tensor: str, name: str, loaded: torch.Tensor, k: int, n: int) -> None:
+    """What can be checked of one tensor alone: its dtype, and the shapes the layer fixes."""
+    if name in ("q_weight", "q_scale") and loaded.dtype != torch.int32:
+        raise EXL2FormatError(tensor, f"dtype {loaded.dtype}, expected torch.int32 (packed 32-bit words)")
+    if name in ("q_groups", "q_invperm") and (loaded.is_floating_point() or loaded.is_complex()):
+        raise EXL2FormatError(tensor, f"dtype {loaded.dtype}, expected an integer type")
+    if name == "q_scale_max" and loaded.dtype != torch.float16:
+        raise EXL2FormatError(tensor, f"dtype {loaded.dtype}, expected torch.float16 (its fp16 arithmetic is the format's)")
+    if name == "q_invperm" and tuple(loaded.shape) != (k,):
+        raise ShapeMismatchError((k,), tuple(loaded.shape))
+    padded = n + (-n % 32)
+    if name == "q_weight" and (loaded.dim() != 2 or loaded.shape[1] not in (n, padded)):
+        raise ShapeMismatchError((loaded.shape[0], padded), tuple(loaded.shape))
+
+
+class EXL2LinearMethod:
+    """LinearMethod for one layer (or the head) of an EXL2 checkpoint (module docstring)."""
+
+    def __init__(self, log: IntKernelLog, prefix: str) -> None:
+        self.log = log
+        self.prefix = prefix
+        self.modules = checkpoint_modules(prefix)  # the checkpoint module of each shard
+        self.tensors: dict[tuple[str, int], torch.Tensor] = {}
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
+        self.input_size = input_size
+        self.output_sizes = tuple(getattr(layer, "output_sizes", None) or (output_size,))
+        self.params_dtype = params_dtype
+        for name in CHECKPOINT_TENSORS:
+            placeholder = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
+            placeholder.weight_loader = self._loader(layer, name)  # type: ignore[attr-defined]
+            layer.register_parameter(name, placeholder)
+
+    def _loader(self, layer: nn.Module, name: str) -> Callable[..., None]:
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+            shard = 0 if shard_id is None else layer.shard_index(shard_id)
+            tensor = f"{self.modules[shard]}.{name}"
+            _check_loaded(tensor, name, loaded, self.input_size, self.output_sizes[shard])
+            self.tensors[name, shard] = loaded.to(param.device, copy=True)
+
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts = []
+        for shard, (module, rows) in enumerate(zip(self.modules, self.output_sizes, strict=True)):
+            tensors = {}
+            for name in CHECKPOINT_TENSORS:
+                if (name, shard) not in self.tensors:
+                    raise EXL2FormatError(f"{module}.{name}", "was not loaded (EXL2 layers need the checkpoint's tensors)")
+                tensors[name] = self.tensors.pop((name, shard))
+            try:
+                weight = dequantize(**tensors)
+            except EXL2FormatError as e:
+                raise EXL2FormatError(f"{module}.{e.tensor}", e.detail) from None
+            parts.append(weight[:rows].to(self.params_dtype))
+        for name in CHECKPOINT_TENSORS:
+            delattr(layer, name)
+        layer.register_buffer("dense_weight", torch.cat(parts) if len(parts) > 1 else parts[0], persistent=False)
+        self.log.record(DEQUANTIZED, self.prefix)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.dense_weight, bias)
+
+
+class EXL2Config:
+    """The QuantConfig of an EXL2 checkpoint: every decoder linear and the head are quantized; bit
+    widths and groups are per tensor (q_groups), so the config fixes nothing but the head."""
+
+    name = "exl2"
+    # exllamav2 writes and runs a quantized lm_head even for tied models: load it, untied.
+    unties_lm_head = True
+
+    def __init__(self, bits: float, head_bits: int) -> None:
+        self.bits = bits  # the converter's target average, informational
+        self.head_bits = head_bits
+        self.log = IntKernelLog("EXL2")
+
+    @classmethod
+    def from_quant_config(cls, qc: dict[str, Any]) -> EXL2Config:
+        bits = qc.get("bits")
+        if isinstance(bits, bool) or not isinstance(bits, int | float):
+            raise QuantConfigError(field_value("bits", bits, "the converter's bits per weight, a number"))
+        head_bits = qc.get("head_bits", 6)
+        if isinstance(head_bits, bool) or head_bits not in HEAD_BITS:
+            raise QuantConfigError(field_value(
+                "head_bits", head_bits, f"a quantized lm_head of {', '.join(map(str, HEAD_BITS))} bits, as exllamav2 writes it"
+            ))  # fmt: skip
+        return cls(float(bits), int(head_bits))
+
+    def get_linear_method(self, prefix: str) -> EXL2LinearMethod:
+        return EXL2LinearMethod(self.log, prefix)
+
+    def summary(self) -> list[str]:
+        return self.log.summary()
