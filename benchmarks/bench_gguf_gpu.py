@@ -54,8 +54,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu import (  # noqa: E402
     cuda_time,
     engine_steps,
-    kernel_profile,
     print_profile,
+    profile_decode,
+    profile_prefill,
     random_prompts,
     run_sections,
     write_synthetic_tokenizer,
@@ -446,7 +447,7 @@ def _run_engine(bench: Bench, kind: str, path: Path | None, batch1_only: bool = 
                             SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))  # fmt: skip
         out["greedy_tokens"] = done[0].outputs[0].token_ids
         if args.profile:
-            out["profile_batch1"] = _profile_decode(llm, vocab)
+            out["profile_batch1"] = profile_decode(llm, vocab)
             print_profile(f"{kind} batch-1 decode step", out["profile_batch1"])
         for batch in () if batch1_only else (16, 64):
             steps = engine_steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
@@ -461,7 +462,7 @@ def _run_engine(bench: Bench, kind: str, path: Path | None, batch1_only: bool = 
         if times:
             out["pp512"] = {"tok_s": 512 / min(times[1:]), "ms": min(times[1:]) * 1e3, "all_ms": [t * 1e3 for t in times]}
         if args.profile and times:
-            out["profile_pp512"] = _profile_prefill(llm, vocab)
+            out["profile_pp512"] = profile_prefill(llm, vocab)
             print_profile(f"{kind} pp512 step", out["profile_pp512"])
     finally:
         del llm
@@ -472,54 +473,6 @@ def _run_engine(bench: Bench, kind: str, path: Path | None, batch1_only: bool = 
         "tg128_ratio": out["batch1"]["tok_s"] / ref["tg128"] if "batch1" in out else None,
         "pp512_ratio": out["pp512"]["tok_s"] / ref["pp512"] if ref["pp512"] and "pp512" in out else None,
     }
-    return out
-
-
-def _profile_decode(llm: LLM, vocab: int) -> dict[str, Any]:
-    """kernel_profile of batch-1 decode engine steps (a 128-token prompt, past its prefill)."""
-    engine = llm.engine
-    engine.add_request("profile", random_prompts(1, 128, vocab, 3)[0],
-                       SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
-    for _ in range(8):
-        engine.step()
-    try:
-        return kernel_profile(engine.step, 16)
-    finally:
-        while engine.has_unfinished_requests():
-            engine.step()
-
-
-def _profile_prefill(llm: LLM, vocab: int, calls: int = 3) -> dict[str, Any]:
-    """kernel_profile of pp512 engine steps (each call prefills one new 512-token prompt), then
-    the host's Python time of two more under cProfile: where a step's wall time goes when it
-    exceeds the GPU's busy time."""
-    import cProfile
-    import pstats
-
-    engine = llm.engine
-    prompts = iter(random_prompts(calls + 2, 512, vocab, 200))
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-
-    def prefill() -> None:
-        engine.add_request(f"pp512-{time.monotonic_ns()}", next(prompts), params)
-        while engine.has_unfinished_requests():
-            engine.step()
-
-    out = kernel_profile(prefill, calls)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(2):
-        prefill()
-    profiler.disable()
-    stats = pstats.Stats(profiler)
-    rows = []
-    for (path, line, func), (_, calls_n, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({"fn": f"{Path(path).name}:{line}:{func}", "calls": calls_n / 2, "self_ms": tottime * 500,
-                     "cum_ms": cumtime * 500})  # fmt: skip
-    out["python_by_self_ms"] = sorted(rows, key=lambda r: -r["self_ms"])[:25]
-    out["python_by_cum_ms"] = sorted(rows, key=lambda r: -r["cum_ms"])[:40]
-    for r in out["python_by_self_ms"][:15]:
-        print(f"   self {r['self_ms']:7.2f} ms  cum {r['cum_ms']:7.2f}  x{r['calls']:6.0f}  {r['fn']}")
     return out
 
 

@@ -127,6 +127,54 @@ def print_profile(title: str, prof: dict[str, Any]) -> None:
         print(f"   {k['ms_per_call']:8.4f} ms  x{k['count_per_call']:6.1f}  {k['name']}")
 
 
+def profile_decode(llm: LLM, vocab: int) -> dict[str, Any]:
+    """kernel_profile of batch-1 decode engine steps (a 128-token prompt, past its prefill)."""
+    engine = llm.engine
+    engine.add_request("profile", random_prompts(1, 128, vocab, 3)[0],
+                       SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    try:
+        return kernel_profile(engine.step, 16)
+    finally:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def profile_prefill(llm: LLM, vocab: int, calls: int = 3) -> dict[str, Any]:
+    """kernel_profile of pp512 engine steps (each call prefills one new 512-token prompt), then
+    the host's Python time of two more under cProfile: where a step's wall time goes when it
+    exceeds the GPU's busy time."""
+    import cProfile
+    import pstats
+
+    engine = llm.engine
+    prompts = iter(random_prompts(calls + 2, 512, vocab, 200))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prefill() -> None:
+        engine.add_request(f"pp512-{time.monotonic_ns()}", next(prompts), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    out = kernel_profile(prefill, calls)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(2):
+        prefill()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, func), (_, calls_n, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"fn": f"{Path(path).name}:{line}:{func}", "calls": calls_n / 2, "self_ms": tottime * 500,
+                     "cum_ms": cumtime * 500})  # fmt: skip
+    out["python_by_self_ms"] = sorted(rows, key=lambda r: -r["self_ms"])[:25]
+    out["python_by_cum_ms"] = sorted(rows, key=lambda r: -r["cum_ms"])[:40]
+    for r in out["python_by_self_ms"][:15]:
+        print(f"   self {r['self_ms']:7.2f} ms  cum {r['cum_ms']:7.2f}  x{r['calls']:6.0f}  {r['fn']}")
+    return out
+
+
 def run_sections(bench: Any, names: list[str], namespace: dict[str, Any]) -> None:
     """Runs `section_<name>(bench)` of `namespace` for each name into bench.results, saving after
     each; a failing section is recorded (and its GPU memory released) and the rest go on."""

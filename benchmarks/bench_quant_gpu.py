@@ -46,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_gpu import (  # noqa: E402
     engine_steps,
+    print_profile,
+    profile_decode,
+    profile_prefill,
     random_prompts,
     run_sections,
     section_ceilings,  # noqa: F401 - a section here too (run_sections finds it by name)
@@ -150,6 +153,11 @@ def run_engine(bench: Bench, path: Path | None, **extra: Any) -> dict[str, Any]:
             out[f"batch{batch}"] = {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
         times = [engine_steps(llm, random_prompts(1, 512, vocab, 100 + s), 1)[0][0] for s in range(4)]
         out["pp512"] = {"tok_s": 512 / min(times[1:]), "ms": min(times[1:]) * 1e3}
+        if bench.args.profile:
+            out["profile_batch1"] = profile_decode(llm, vocab)
+            print_profile("batch-1 decode step", out["profile_batch1"])
+            out["profile_pp512"] = profile_prefill(llm, vocab)
+            print_profile("pp512 step", out["profile_pp512"])
     finally:
         del llm
         gc.collect()
@@ -292,6 +300,7 @@ def main() -> None:
     parser.add_argument("--gmu", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--offline-prompts", type=int, default=1000)
+    parser.add_argument("--profile", action="store_true", help="engine sections: profile a batch-1 decode and a pp512 step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     bench = Bench(args)
