@@ -54,10 +54,13 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from timing import graph_time  # noqa: E402
 
 from paphos.layers import pdl  # noqa: E402
 from paphos.layers.linear import Linear, QKVLinear  # noqa: E402
-from paphos.quant.fp8 import SCALED_MM, Fp8Config, Fp8LinearMethod  # noqa: E402
+from paphos.quant.fp8 import FP8_GEMM, Fp8Config, Fp8LinearMethod  # noqa: E402
 from paphos.quant.kernels import fp8 as k8  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
@@ -89,30 +92,6 @@ def run(name: str, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, scale: to
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def graph_seconds(calls: list[Callable[[], object]], min_calls: int = 32) -> float:
-    """Seconds per call of `calls` (cycled) replayed from one CUDA graph: median of 5 replays."""
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    n = max(min_calls, 2 * len(calls))
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(n):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / n)
-    del graph
-    return statistics.median(times)
 
 
 def fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,7 +375,7 @@ def section_linear(results: dict[str, Any], args: argparse.Namespace) -> dict[st
         out["max_rel_err"] < 1e-2
         and not failed
         and out["cuda_graph_replay_equals_eager"] is True
-        and all(v["kernel"] == SCALED_MM and v["rel_err"] < 1e-2 for v in methods)
+        and all(v["kernel"] == FP8_GEMM and v["rel_err"] < 1e-2 for v in methods)
     )
     return out
 
@@ -430,14 +409,14 @@ def section_sweep(results: dict[str, Any], args: argparse.Namespace) -> dict[str
             x = x_like(m, k, m)
             ref = F.linear(k8.fake_quantize(x.float()), w32)
             us: dict[str, float] = {
-                "bf16": graph_seconds([lambda b=b, x=x: F.linear(x, b) for b in bf16_ws]) * 1e6
+                "bf16": graph_time([lambda b=b, x=x: F.linear(x, b) for b in bf16_ws]) * 1e6
             }
             err: dict[str, float | str] = {"bf16": rel_err(F.linear(x, w_bf16), ref)}
             columns = ["scaled_mm", *(["fp8"] if m <= k8.SMALL_M_MAX else []), *candidates(m)]
             for col in columns:
                 try:
                     err[col] = rel_err(run(col, x, w, ws), ref)
-                    us[col] = graph_seconds([lambda a=a, x=x, col=col: run(col, x, *a) for a in fp8_ws]) * 1e6
+                    us[col] = graph_time([lambda a=a, x=x, col=col: run(col, x, *a) for a in fp8_ws]) * 1e6
                 except Exception as e:  # noqa: BLE001 (a configuration that fails is a result)
                     err[col] = f"error: {type(e).__name__}: {e}"[:300]
             act = m * k * 2 + m * n * 2

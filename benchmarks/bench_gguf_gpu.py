@@ -63,6 +63,7 @@ from bench_gpu import (  # noqa: E402
 )
 from make_random_gguf import random_blocks as gguf_random_blocks  # noqa: E402
 from make_random_gguf import write as write_gguf  # noqa: E402
+from timing import graph_time  # noqa: E402
 
 from paphos import LLM  # noqa: E402
 from paphos.layers import pdl  # noqa: E402
@@ -185,31 +186,6 @@ def _copies(seg: tg.Segment) -> list[tg.Segment]:
     count = max(1, math.ceil(3 * L2_BYTES / seg.n_bytes()))
     return [seg] + [tg.Segment(seg.type_name, 0, seg.rows, seg.k, {n: t.clone() for n, t in seg.planes.items()})
                     for _ in range(count - 1)]  # fmt: skip
-
-
-def graph_time(fns: list[Any], reps: int = 64) -> float:
-    """Seconds per call of the kernel launches `fns` (cycled), replayed from a CUDA graph: no host
-    launch cost in the figure, as in the engine's graph-replayed decode steps."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    calls = max(reps, 2 * len(fns))
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
 
 
 def section_gemv(bench: Bench) -> dict[str, Any]:

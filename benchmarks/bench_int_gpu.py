@@ -51,6 +51,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from timing import graph_time  # noqa: E402
 
 from paphos.layers import pdl  # noqa: E402
 from paphos.quant.kernels import int_layout  # noqa: E402
@@ -170,33 +173,6 @@ def runner(
     if c.path == "dequant":
         return lambda: ti.dequant_matmul(x, planes, spec)
     raise ValueError(c.path)
-
-
-def graph_time(fns: list[Callable[[], object]], calls: int) -> float:
-    """Seconds per call of `fns` (cycled) replayed from one CUDA graph: no host launch cost in the
-    figure, as in the engine's graph-replayed steps (the method of bench_gguf_gpu.py, whose
-    module needs packages the GPU image lacks)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    calls = max(calls, len(fns))
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 def copies_of(planes: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

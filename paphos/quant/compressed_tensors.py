@@ -86,9 +86,7 @@ def _int_scheme(group: str, weights: dict[str, Any], activations: Any) -> IntSch
 
 
 @dataclass(frozen=True)
-class PackedLayout:
-    """pack-quantized (module docstring)."""
-
+class _SchemeLayout:
     scheme: IntScheme
 
     @property
@@ -103,11 +101,17 @@ class PackedLayout:
     def int8_activations(self) -> bool:
         return self.scheme.int8_activations
 
+    def groups(self, input_size: int) -> int:
+        return 1 if self.group_size < 0 else -(-input_size // self.group_size)
+
+
+class PackedLayout(_SchemeLayout):
+    """pack-quantized (module docstring)."""
+
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         per = 32 // self.bits
-        groups = 1 if self.group_size < 0 else -(-input_size // self.group_size)
         add_param(layer, "weight_packed", (output_size, -(-input_size // per)), torch.int32, output_dim=0)
-        _add_common(layer, self.scheme, input_size, output_size, groups, packed_zeros=True)
+        _add_common(layer, self.scheme, input_size, output_size, self.groups(input_size), packed_zeros=True)
 
     def unpack(self, layer: nn.Module) -> Unpacked:
         k = int(layer.weight_shape[0, 1])
@@ -115,28 +119,12 @@ class PackedLayout:
         return _unpacked(layer, self.scheme, codes, packed_zeros=True)
 
 
-@dataclass(frozen=True)
-class NaiveLayout:
+class NaiveLayout(_SchemeLayout):
     """naive-quantized: signed codes one per int8 (module docstring)."""
 
-    scheme: IntScheme
-
-    @property
-    def bits(self) -> int:
-        return self.scheme.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.scheme.group_size
-
-    @property
-    def int8_activations(self) -> bool:
-        return self.scheme.int8_activations
-
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
-        groups = 1 if self.group_size < 0 else -(-input_size // self.group_size)
         add_param(layer, "weight", (output_size, input_size), torch.int8, output_dim=0)
-        _add_common(layer, self.scheme, input_size, output_size, groups, packed_zeros=False)
+        _add_common(layer, self.scheme, input_size, output_size, self.groups(input_size), packed_zeros=False)
 
     def unpack(self, layer: nn.Module) -> Unpacked:
         codes = layer.weight.data.to(torch.int64) + (1 << (self.bits - 1))

@@ -12,7 +12,6 @@ paphos/layers/embedding.py).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -239,12 +238,11 @@ def _write_llama(path: Path, embed_type: str, head_type: str | None, vocab: int 
 @pytest.fixture(scope="module")
 def tg() -> Iterator[object]:
     pytest.importorskip("triton")
-    from tests.quant.test_gguf_triton import _MODULE, _reimport
+    from tests.quant.test_gguf_triton import GGUF_KERNEL_MODULES
+    from tests.triton_interpreted import interpreted
 
-    was_compiled = _reimport(interpret=True)
-    yield sys.modules[_MODULE]
-    if was_compiled:
-        _reimport(interpret=False)
+    with interpreted(GGUF_KERNEL_MODULES, "_fused_kernel") as module:
+        yield module
 
 
 @pytest.fixture

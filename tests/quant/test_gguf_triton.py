@@ -9,8 +9,6 @@ here, also on a GPU machine, and re-imported compiled afterwards (as tests/atten
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 from collections.abc import Iterator
 
@@ -24,39 +22,20 @@ from paphos.quant.gguf import planes
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import GGUFShard
 from tests.quant.gguf_blocks import random_blocks, weight_scale
+from tests.triton_interpreted import interpreted
 
 _MODULE = "paphos.quant.gguf.triton_gguf"
 _GEMV = "paphos.quant.gguf.triton_gemv"
 _KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", _GEMV)
 
 
-def _reimport(interpret: bool) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    previous = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = sys.modules.get(_MODULE) or importlib.import_module(_MODULE)
-        if isinstance(module._fused_kernel, InterpretedFunction) != interpret:
-            for name in _KERNEL_MODULES:  # rebinds the kernel globals in place, callees first
-                importlib.reload(sys.modules[name])
-            importlib.reload(module)
-            return True
-        return False
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+GGUF_KERNEL_MODULES = (*_KERNEL_MODULES, _MODULE)
 
 
 @pytest.fixture(scope="module")
 def tg() -> Iterator[object]:
-    was_compiled = _reimport(interpret=True)
-    yield sys.modules[_MODULE]
-    if was_compiled:
-        _reimport(interpret=False)
+    with interpreted(GGUF_KERNEL_MODULES, "_fused_kernel") as module:
+        yield module
 
 
 PRIORITY = ("Q4_K", "Q6_K", "Q8_0")

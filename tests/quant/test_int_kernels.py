@@ -23,8 +23,6 @@ The kernel modules are (re)imported interpreted here, as in test_gguf_triton.py.
 
 from __future__ import annotations
 
-import importlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -36,40 +34,17 @@ import torch
 from paphos.quant.kernels import int_layout
 from paphos.quant.kernels.int_layout import IntSpec
 from tests.device_triton import TRITON_IDS, TRITONS, compile_env
+from tests.triton_interpreted import interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 _MODULE = "paphos.quant.kernels.triton_int"
 _KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv")
 
 
-def _reimport(interpret: bool) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    previous = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        for name in (*_KERNEL_MODULES, _MODULE):
-            importlib.import_module(name)
-        module = sys.modules[_MODULE]
-        if isinstance(module._gemm_kernel, InterpretedFunction) != interpret:
-            for name in (*_KERNEL_MODULES, _MODULE):  # rebinds the kernel globals in place, callees first
-                importlib.reload(sys.modules[name])
-            return True
-        return False
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
 @pytest.fixture(scope="module")
 def ti() -> Iterator[object]:
-    was_compiled = _reimport(interpret=True)
-    yield sys.modules[_MODULE]
-    if was_compiled:
-        _reimport(interpret=False)
+    with interpreted((*_KERNEL_MODULES, _MODULE), "_gemm_kernel") as module:
+        yield module
 
 
 def _layer(
