@@ -9,9 +9,11 @@ per-shard tensors such as act-order `g_idx` get one row per shard) -> the model'
 fills them -> `process_weights_after_loading` unpacks them to one common form (`Unpacked`: codes
 [N, K], scales and zeros [N, G], each shard's input-row groups) and either
   - repacks them for the Triton kernels (CUDA, bf16/fp16): act-order groups are folded into a
-    permutation of x so every group is contiguous (Marlin's idea), or
-  - dequantizes them once into a dense weight in the model dtype (CPU, fp32 models, and layers
-    the kernels cannot take, e.g. q/k/v shards with different act-order permutations),
+    permutation of x so every group is contiguous (Marlin's idea),
+  - packs 4-bit layers of a bf16 model on the CPU for torch's int4 matmul
+    (paphos/quant/kernels/int4pack_cpu.py, groups of 32-256 dividing K; x permuted for act-order),
+  - or dequantizes them once into a dense weight in the model dtype (float32 models, and layers
+    no kernel takes, e.g. q/k/v shards with different act-order permutations),
 and frees the checkpoint tensors. `IntKernelLog` counts the choice per layer so start-up logs it
 in one line per outcome ("Using Marlin-class kernels for N layers", and every other path with its
 reason).
@@ -182,13 +184,16 @@ def fake_quantize_int8(x: torch.Tensor) -> torch.Tensor:
 
 
 class IntLinearMethod:
-    """LinearMethod for one layer of an integer-code checkpoint (module docstring)."""
+    """LinearMethod for one layer of an integer-code checkpoint (module docstring). After loading
+    the layer runs one of: the Triton kernels (`spec` set), torch's int4pack on a bf16 CPU
+    (`int4pack_group` set), or the dense weight dequantized at load."""
 
     def __init__(self, layout: IntLayout, log: IntKernelLog, layer_name: str) -> None:
         self.layout = layout
         self.log = log
         self.layer_name = layer_name
-        self.spec = None  # the kernels' IntSpec once repacked; None on the dense path
+        self.spec = None  # the Triton kernels' IntSpec once repacked for them
+        self.int4pack_group: int | None = None  # the group size once packed for torch's CPU int4 matmul
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         self.params_dtype = params_dtype
@@ -198,31 +203,31 @@ class IntLinearMethod:
         u = self.layout.unpack(layer)
         checkpoint_params = [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]
         group_size = self.layout.group_size if self.layout.group_size > 0 else u.codes.shape[1]
-        reason = self._repack(layer, u, group_size)
+        perm, reason = act_order_perm(u, group_size)
+        if reason is not None:
+            reason = f"dequantized at load: they {reason}"
+        elif u.codes.device.type == "cuda":
+            reason = self._repack_for_triton(layer, u, group_size, perm)
+        else:
+            reason = self._repack_for_int4pack(layer, u, group_size, perm)
         if reason is not None:
             layer.register_buffer("dense_weight", dequantize(u, self.layout.bits, group_size, self.params_dtype), persistent=False)
             self.log.record(reason, self.layer_name)
         for name in checkpoint_params:
             delattr(layer, name)
 
-    def _repack(self, layer: nn.Module, u: Unpacked, group_size: int) -> str | None:
+    def _repack_for_triton(self, layer: nn.Module, u: Unpacked, group_size: int, perm: torch.Tensor | None) -> str | None:
         """Repack for the Triton kernels; returns why not (the dense path) or None."""
-        device = u.codes.device
-        if device.type != "cuda":
-            return "dequantized at load (no packed kernel on this device)"
         if self.params_dtype not in (torch.float16, torch.bfloat16):
             return f"dequantized at load ({self.params_dtype} activations)"
         from paphos.quant.kernels import int_layout, triton_int
 
-        perm, reason = act_order_perm(u, group_size)
-        if reason is not None:
-            return f"dequantized at load: they {reason}"
         n, k = u.codes.shape
         spec = int_layout.IntSpec(
             bits=self.layout.bits, group_size=group_size, in_features=k, out_features=n,
             has_zeros=u.zeros is not None, has_perm=perm is not None,
         )
-        if not triton_int.supports(spec, device, self.params_dtype):
+        if not triton_int.supports(spec, u.codes.device, self.params_dtype):
             return f"dequantized at load (no kernel for {spec})"
         codes = u.codes if perm is None else u.codes[:, perm]
         zeros = None if u.zeros is None else u.zeros.to(self.params_dtype)
@@ -234,17 +239,44 @@ class IntLinearMethod:
         self.log.record(MARLIN_CLASS, self.layer_name)
         return None
 
+    def _repack_for_int4pack(self, layer: nn.Module, u: Unpacked, group_size: int, perm: torch.Tensor | None) -> str | None:
+        """Pack 4-bit layers of a bf16 model for torch's CPU int4 matmul; returns why not."""
+        from paphos.quant.kernels import int4pack_cpu
+
+        n, k = u.codes.shape
+        if self.params_dtype != torch.bfloat16 or self.layout.bits != 4 or not int4pack_cpu.supported(n, k, group_size):
+            return "dequantized at load (no packed kernel for this layer on this device)"
+        codes = u.codes if perm is None else u.codes[:, perm]
+        zeros = u.zeros if u.zeros is not None else torch.full_like(u.scales, 8.0)
+        scales = u.scales.float()
+        # (q - z) * s = (q - 8) * s + (8 - z) * s
+        packed, scale_zero = int4pack_cpu.pack(codes, scales, (8.0 - zeros.float()) * scales)
+        layer.register_buffer("int4_packed", packed, persistent=False)
+        layer.register_buffer("int4_scale_zero", scale_zero, persistent=False)
+        if perm is not None:
+            layer.register_buffer("int4_perm", perm, persistent=False)
+        self.int4pack_group = group_size
+        self.log.record("packed for torch's CPU int4 matmul", self.layer_name)
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.layout.int8_activations:
             x = fake_quantize_int8(x)
-        if self.spec is None:
+        if self.spec is None and self.int4pack_group is None:
             return F.linear(x, layer.dense_weight, bias)
-        from paphos.quant.kernels import triton_int
-
-        planes = {name: getattr(layer, f"int_{name}") for name in self.plane_names}
         # x itself when it is 2-D: a view would drop the int8 parts its producer attached (x_int8)
         x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
-        y = triton_int.matmul(x2, planes, self.spec)
+        if self.spec is not None:
+            from paphos.quant.kernels import triton_int
+
+            planes = {name: getattr(layer, f"int_{name}") for name in self.plane_names}
+            y = triton_int.matmul(x2, planes, self.spec)
+        else:
+            from paphos.quant.kernels import int4pack_cpu
+
+            if hasattr(layer, "int4_perm"):
+                x2 = x2.index_select(1, layer.int4_perm)
+            y = int4pack_cpu.matmul(x2, layer.int4_packed, layer.int4_scale_zero, self.int4pack_group)
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y

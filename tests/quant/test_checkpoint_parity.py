@@ -163,3 +163,25 @@ def test_fixtures_record_their_tool() -> None:
         config = json.loads((checkpoint(name) / "config.json").read_text())
         _, metadata = reference(name)
         assert "quantization_config" in config and metadata["tool"], name
+
+
+@pytest.mark.parametrize("name", ["gptq-4b-g32-asym-actorder", "gptq-4b-g64-asym-v2", "awq-gemm-4b-g64", "ct-w4a16-sym-g64"])
+def test_bf16_on_the_cpu_keeps_4_bit_layers_packed(name: str) -> None:
+    """bf16 models on the CPU run 4-bit layers on torch's int4 matmul (act-order through a
+    permutation of x), within bf16 rounding of the fp32 reference."""
+    ref, _ = reference(name)
+    source = load_model_source(str(checkpoint(name)))
+    config = select_quant_config(source, None)
+    model = resolve_model_class(source.hf_config)(source.hf_config, torch.bfloat16, TorchReferenceBackend(), config)
+    source.load_into(model, show_progress=False)
+    packed = [m for m in model.modules() if getattr(getattr(m, "quant_method", None), "int4pack_group", None)]
+    assert len(packed) == 8, config.summary()  # every decoder linear of the two layers
+    blocks = len(ref["input_ids"]) * 4 + 1
+    caches = [torch.zeros(model.kv_cache_shape_per_layer(blocks, paged.BLOCK), dtype=torch.bfloat16) for _ in range(2)]
+    old, paged.NUM_BLOCKS = paged.NUM_BLOCKS, blocks
+    try:
+        got = torch.stack(run_schedule(model, caches, list(ref["input_ids"]), [[16] * 8]))
+    finally:
+        paged.NUM_BLOCKS = old
+    worst = (got - ref["dequant_logits"]).abs().max().item()
+    assert worst <= 0.25, f"{name}: max |dlogit| {worst:.3f} in bf16"

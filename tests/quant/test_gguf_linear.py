@@ -29,6 +29,7 @@ from paphos.quant.gguf.kernels import (
     Int4PackCPUKernel,
     select_kernel,
 )
+from paphos.quant.kernels import int4pack_cpu
 from tests.models.paged import BLOCK, NUM_BLOCKS, run_schedule
 from tests.quant.gguf_blocks import random_blocks, weight_scale, write_tiny_llama
 
@@ -69,7 +70,7 @@ def test_int4pack_kernel_for_q4_shards_in_bf16() -> None:
     assert layer.weight.numel() == 0  # raw blocks freed after packing
     packed = layer.gguf_int4.numel() + layer.gguf_scale_zero.numel() * 2
     assert packed == w.shape[0] * (HIDDEN // 2 + HIDDEN // 32 * 4)  # Q4_1's size
-    for rows in (1, 7, Int4PackCPUKernel.DENSE_MIN_TOKENS):  # the last: unpack + dense GEMM
+    for rows in (1, 7, int4pack_cpu.DENSE_MIN_TOKENS):  # the last: unpack + dense GEMM
         x = _x(torch.bfloat16, rows)
         y = layer(x)
         ref = F.linear(x.float(), w)

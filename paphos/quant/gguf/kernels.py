@@ -29,7 +29,6 @@ Measured with benchmarks/gguf_cpu.py (bf16, 2 shared cores, best of 3 alternatin
 from __future__ import annotations
 
 import logging
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +44,7 @@ from paphos.quant.gguf.base import (
 )
 from paphos.quant.gguf.dequant import Q4_AFFINE_TYPES, dequantize, q4_affine_groups
 from paphos.quant.gguf.triton_gguf import TritonGGUFKernel
+from paphos.quant.kernels import int4pack_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +53,11 @@ GROUP = 32  # values per scale/offset group of the int4pack layout
 
 
 class Int4PackCPUKernel:
-    """Q4_0 / Q4_1 / Q4_K shards as torch's int4pack CPU layout: w = (q - 8) * scale + zero per
-    group of 32, scale/zero in bf16 (so scales are rounded from fp16 to bf16: ~2^-9 relative, far
-    below the 4-bit quantization step). Memory: K/2 bytes + K/32 * 4 bytes per row, the same as
-    Q4_1 and 0.5 bit per value more than Q4_0/Q4_K.
-
-    Long prefill chunks (>= DENSE_MIN_TOKENS rows) unpack the weight to bf16 and run a dense GEMM:
-    int4pack's matmul does not amortise its per-value unpacking over rows. Measured on the four
-    linears of one SmolLM2 layer (2 shared cores): 512 rows 26 ms int4pack vs 34 ms unpack + GEMM,
-    1024 rows 54 vs 40 ms, 2048 rows 104 vs 56 ms (a bf16 GEMM alone: 11 / 21 / 39 ms).
-    Unpacking reads torch's packed layout (64-row tiles: byte [tile, k, i] holds row i in its low
-    nibble and row i + 32 in its high one), checked once per process against the packer itself;
-    if a torch version packs differently, long chunks simply stay on int4pack."""
+    """Q4_0 / Q4_1 / Q4_K shards in torch's int4pack CPU layout (paphos/quant/kernels/int4pack_cpu.py:
+    groups of 32, scale/zero in bf16). Memory: the same as Q4_1, 0.5 bit per value more than Q4_0 /
+    Q4_K."""
 
     name = "int4pack-cpu"
-    DENSE_MIN_TOKENS = 768
-    TILE = 64
 
     @classmethod
     def can_implement(cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> bool:
@@ -77,8 +66,7 @@ class Int4PackCPUKernel:
             device.type == "cpu"
             and dtype == torch.bfloat16
             and all(s.type_name in Q4_AFFINE_TYPES for s in shards)
-            and rows % 16 == 0  # the packing works on tiles of 16 output rows
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and int4pack_cpu.supported(rows, GROUP, GROUP)
         )
 
     def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
@@ -88,43 +76,13 @@ class Int4PackCPUKernel:
             qs.append(q)
             scales.append(scale)
             zeros.append(offset + 8.0 * scale)  # scale * q + offset = (q - 8) * scale + zero
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.cat(qs), 2)
-        scale_zero = torch.stack([torch.cat(scales).t(), torch.cat(zeros).t()], dim=-1)
+        packed, scale_zero = int4pack_cpu.pack(torch.cat(qs), torch.cat(scales), torch.cat(zeros))
         layer.register_buffer("gguf_int4", packed, persistent=False)
-        layer.register_buffer("gguf_scale_zero", scale_zero.to(torch.bfloat16).contiguous(), persistent=False)
+        layer.register_buffer("gguf_scale_zero", scale_zero, persistent=False)
         drop_raw(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        packed, scale_zero = layer.gguf_int4, layer.gguf_scale_zero
-        xb = x.to(torch.bfloat16)
-        if x.shape[0] >= self.DENSE_MIN_TOKENS and packed.shape[0] % self.TILE == 0 and _layout_known():
-            y = F.linear(xb, unpack_int4(packed, scale_zero))
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scale_zero)
-        return y.to(x.dtype)
-
-
-def unpack_int4(packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight [N, K] of an int4pack CPU weight whose N is a multiple of 64 (see
-    `Int4PackCPUKernel`)."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    tiles = packed.view(n // 64, k, 32)
-    q = torch.cat([tiles & 0xF, tiles >> 4], dim=2).transpose(1, 2).reshape(n, k // GROUP, GROUP)
-    scale = scale_zero[..., 0].t().float().unsqueeze(-1)
-    zero = scale_zero[..., 1].t().float().unsqueeze(-1)
-    return torch.addcmul(zero, q.float() - 8.0, scale).to(torch.bfloat16).reshape(n, k)
-
-
-@cache
-def _layout_known() -> bool:
-    """Whether this torch packs int4 weights as `unpack_int4` reads them (a 128 x 64 probe)."""
-    q = torch.arange(128 * 64, dtype=torch.int32).reshape(128, 64) * 7 % 16
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-    if tuple(packed.shape) != (128, 32):
-        return False
-    ones = torch.ones(64 // GROUP, 128, 2, dtype=torch.bfloat16)
-    ones[..., 1] = 8.0  # scale 1, zero 8: w = q
-    return torch.equal(unpack_int4(packed, ones).float(), q.float())
+        return int4pack_cpu.matmul(x, layer.gguf_int4, layer.gguf_scale_zero, GROUP)
 
 
 class DequantPerCallKernel:

@@ -1,0 +1,79 @@
+"""Packed 4-bit weights on the CPU: torch's int4pack layout and matmul, shared by GGUF (Q4_0 / Q4_1
+/ Q4_K, groups of 32: paphos/quant/gguf/kernels.py) and the integer checkpoints (GPTQ, AWQ,
+compressed-tensors 4-bit, groups of 32 to 256: paphos/quant/int_linear.py) in bf16 models.
+
+w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g], scale and zero in bf16 (a checkpoint's fp16
+scales are rounded to bf16: ~2^-9 relative, far below the 4-bit step). Memory: K/2 bytes + 4 bytes
+per group per row. Per-call dequantization would cost several times the matmul it feeds on the
+CPU, and a bf16 weight four times the memory traffic of the packed one, so decode stays packed.
+
+Long prefill chunks (>= DENSE_MIN_TOKENS rows) unpack the weight to bf16 and run a dense GEMM:
+int4pack's matmul does not amortise its per-value unpacking over rows. Measured on the four
+linears of one SmolLM2 layer (2 shared cores): 512 rows 26 ms int4pack vs 34 ms unpack + GEMM,
+1024 rows 54 vs 40 ms, 2048 rows 104 vs 56 ms (a bf16 GEMM alone: 11 / 21 / 39 ms). Unpacking
+reads torch's packed layout (64-row tiles: byte [tile, k, i] holds row i in its low nibble and
+row i + 32 in its high one), checked once per process against the packer itself; if a torch
+version packs differently, long chunks simply stay on int4pack.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+DENSE_MIN_TOKENS = 768
+TILE = 64  # output rows per tile of the packed layout
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def supported(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether torch here has the kernel and it takes the shape: groups of 32-256 dividing K, and
+    output rows in tiles of 16."""
+    return (
+        hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        and group_size in GROUP_SIZES
+        and in_features % group_size == 0
+        and out_features % 16 == 0
+    )
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] (0..15), scales and zeros [N, G] (w = (q - 8) * scale + zero) -> (packed
+    weight, bf16 scale_zero [G, N, 2]) for `matmul`."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+    scale_zero = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scale_zero
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype (computed in bf16)."""
+    xb = x.to(torch.bfloat16)
+    if x.shape[0] >= DENSE_MIN_TOKENS and packed.shape[0] % TILE == 0 and _layout_known():
+        y = F.linear(xb, unpack(packed, scale_zero, group_size))
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group_size, scale_zero)
+    return y.to(x.dtype)
+
+
+def unpack(packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The bf16 weight [N, K] of a packed weight whose N is a multiple of 64."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    tiles = packed.view(n // TILE, k, TILE // 2)
+    q = torch.cat([tiles & 0xF, tiles >> 4], dim=2).transpose(1, 2).reshape(n, k // group_size, group_size)
+    scale = scale_zero[..., 0].t().float().unsqueeze(-1)
+    zero = scale_zero[..., 1].t().float().unsqueeze(-1)
+    return torch.addcmul(zero, q.float() - 8.0, scale).to(torch.bfloat16).reshape(n, k)
+
+
+@cache
+def _layout_known() -> bool:
+    """Whether this torch packs int4 weights as `unpack` reads them (a 128 x 64 probe)."""
+    q = torch.arange(128 * 64, dtype=torch.int32).reshape(128, 64) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    if tuple(packed.shape) != (128, 32):
+        return False
+    ones = torch.ones(2, 128, 2, dtype=torch.bfloat16)
+    ones[..., 1] = 8.0  # scale 1, zero 8: w = q
+    return torch.equal(unpack(packed, ones, 32).float(), q.float())
