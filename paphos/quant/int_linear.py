@@ -232,9 +232,10 @@ class IntLinearMethod:
         codes = u.codes if perm is None else u.codes[:, perm]
         zeros = None if u.zeros is None else u.zeros.to(self.params_dtype)
         planes = int_layout.pack(codes, u.scales.to(self.params_dtype), zeros, spec, perm)
-        for name, tensor in planes.items():
+        for name, tensor in planes.items():  # buffers, so the model's memory accounts for them
             layer.register_buffer(f"int_{name}", tensor, persistent=False)
-        self.plane_names = tuple(planes)
+        # Held here too: the per-step path (eager prefill is host bound) does no lookups.
+        self.planes, self.matmul = planes, triton_int.matmul
         self.spec = spec
         self.log.record(MARLIN_CLASS, self.layer_name)
         return None
@@ -267,10 +268,7 @@ class IntLinearMethod:
         # x itself when it is 2-D: a view would drop the int8 parts its producer attached (x_int8)
         x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
         if self.spec is not None:
-            from paphos.quant.kernels import triton_int
-
-            planes = {name: getattr(layer, f"int_{name}") for name in self.plane_names}
-            y = triton_int.matmul(x2, planes, self.spec)
+            y = self.matmul(x2, self.planes, self.spec)
         else:
             from paphos.quant.kernels import int4pack_cpu
 
