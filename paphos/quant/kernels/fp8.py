@@ -262,9 +262,6 @@ SMALL_M_MAX = 32
 DEFAULT_SMALL_M = SmallMConfig()
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
 
 def small_m_linear(
     x: torch.Tensor,
@@ -282,7 +279,7 @@ def small_m_linear(
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    bm = min(64, max(16, _pow2(m)))
+    bm = min(64, max(16, triton.next_power_of_2(m)))
     _small_m_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))](
         q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, m, n, k, q.stride(0),
         weight.stride(0), out.stride(0),

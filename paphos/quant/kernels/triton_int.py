@@ -353,9 +353,6 @@ def int8_layout(spec: IntSpec) -> x_int8.Int8Layout:
     return x_int8.Int8Layout(spec.bits, TILE_WORDS)
 
 
-def _pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
 
 def fit_block_k(block_k: int, spec: IntSpec) -> int:
     """The largest power of two <= block_k dividing K (a multiple of 32); it lies within one scale
@@ -375,7 +372,7 @@ def gemm_config(spec: IntSpec, m: int) -> GemmConfig:
     shapes follow (bench_int_gpu.py): tokens padded to a power of two >= 16 (at most 128), 64 rows
     and 128 K values per step, K split until the grid holds 4 programs per SM (2 from 64 tokens
     per tile), each slice at least 4 steps."""
-    bm = min(128, max(16, _pow2(m)))
+    bm = min(128, max(16, triton.next_power_of_2(m)))
     bn, bk = 64, fit_block_k(128, spec)
     n_iters = spec.in_features // bk
     tiles = math.ceil(spec.out_features / bn) * math.ceil(m / bm)
@@ -492,7 +489,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, rpp),)](
         xq.words, xq.scales, out, w, planes["scales"], _zeros_plane(planes), m, n, k, w.stride(0), out.stride(0),
         group_shift(spec),
-        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, T=_pow2(k // spec.tile_values), RPP=rpp,
+        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, T=triton.next_power_of_2(k // spec.tile_values), RPP=rpp,
         MULTI=m > 1, ASM=_asm(x), num_warps=cfg.num_warps, **pdl.options(x),
     )  # fmt: skip
     return out
