@@ -94,15 +94,15 @@ def build(mode: str, model: str, args: argparse.Namespace) -> tuple[Any, float]:
     import paphos.worker.setup as setup
     from paphos import LLM
 
-    original = setup.quant_config_for_source
+    original = setup.select_quant_config
     if mode == "dequantized":
-        setup.quant_config_for_source = lambda source, numerics="float": None  # type: ignore[assignment]
+        setup.select_quant_config = lambda source, quantization, numerics: None  # type: ignore[assignment]
     try:
         t0 = time.perf_counter()
         llm = LLM(model=model, dtype=args.dtype, max_model_len=4096, cpu_kv_cache_gb=1.0)
         return llm, time.perf_counter() - t0
     finally:
-        setup.quant_config_for_source = original
+        setup.select_quant_config = original
 
 
 _ROUND = itertools.count()

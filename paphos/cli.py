@@ -184,7 +184,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(mdl, "--device", default="auto", help="cuda, cpu or auto (default auto: cuda when available)")
     _add(mdl, "--chat-template", metavar="TEMPLATE",
          help="Jinja chat template, or a path to a file holding one (default: the tokenizer's)")
-    _add(mdl, "--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    _add(mdl, "--enforce-eager", action="store_true",
+         help="run every step eagerly: no CUDA graphs on a GPU, no compiled decode step on the CPU")
+    _add(mdl, "--threads", type=int, default=None, metavar="N",
+         help="CPU threads for the model's matmuls and kernels (default: one per physical core)")
     _add(mdl, "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
          help="paged attention kernels: triton, torch (the reference) or auto (default: triton on a GPU)")
     _add(mdl, "--quantization", "-q", default=None, metavar="METHOD",
@@ -305,7 +308,7 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         model=model, tokenizer=args.tokenizer, served_model_name=served_names,
         dtype=args.dtype, max_model_len=max_model_len, load_format=args.load_format, seed=args.seed,
         chat_template=_chat_template(args.chat_template), max_logprobs=args.max_logprobs, device=args.device,
-        enforce_eager=args.enforce_eager, gguf_numerics=args.gguf_numerics,
+        enforce_eager=args.enforce_eager, threads=args.threads, gguf_numerics=args.gguf_numerics,
         attention_backend=args.attention_backend, quantization=args.quantization,
         revision=args.revision, tokenizer_revision=args.tokenizer_revision, download_dir=args.download_dir,
     )

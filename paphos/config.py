@@ -39,7 +39,11 @@ class ModelConfig:
     chat_template: str | None = None
     max_logprobs: int = 20
     device: str = "auto"
+    # On a GPU: no CUDA graphs; on the CPU: no compiled decode step (worker/compiled_decode.py).
     enforce_eager: bool = False
+    # CPU threads of the engine core's matmuls and compiled kernels (llama.cpp's -t); None: torch's
+    # default, one per physical core.
+    threads: int | None = None
     gguf_numerics: str = "float"
     # auto: Triton paged kernels on a GPU, the torch reference elsewhere.
     attention_backend: str = "auto"
@@ -70,6 +74,8 @@ class ModelConfig:
             )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         self._resolve_hub_ids()
         self._check_quantization()
 

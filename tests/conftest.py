@@ -17,6 +17,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines run their decode steps eagerly here: compiling each test's tiny model would cost more
+# than the test (the compiled step has its own tests, which turn it back on).
+os.environ.setdefault("PAPHOS_CPU_COMPILE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from paphos import cli
+from paphos.config import ConfigError
 
 
 def _configs(*argv: str):
@@ -207,3 +208,10 @@ def test_version_has_one_source():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]
     assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "paphos.version.__version__"}
+
+
+def test_threads_flag():
+    assert _configs("--threads", "3")[0].model.threads == 3
+    assert _configs()[0].model.threads is None  # torch's default: one per physical core
+    with pytest.raises(ConfigError, match="--threads must be >= 1"):
+        _configs("--threads", "0")

@@ -90,9 +90,9 @@ def write_kv_cache(
     offsets = slot_mapping % block_size
     if kv_cache.dtype in FP8_KV_DTYPES:
         k, v = quantize_fp8(k, k_scale, kv_cache.dtype), quantize_fp8(v, v_scale, kv_cache.dtype)
-    # kv_cache[:, 0] is a strided view, so index_put on it writes straight into the cache.
-    kv_cache[:, 0][blocks, offsets] = k.to(kv_cache.dtype)
-    kv_cache[:, 1][blocks, offsets] = v.to(kv_cache.dtype)
+    # One index_put on the cache tensor itself (not on a view of it): a compiled step then writes
+    # the rows in place instead of copying the whole cache back (worker/cpu_compiled.py).
+    kv_cache[blocks, :, offsets] = torch.stack((k, v), dim=1).to(kv_cache.dtype)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

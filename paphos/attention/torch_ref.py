@@ -82,10 +82,19 @@ class TorchReferenceBackend:
             assert positions is not None, "rotary needs the token positions"
             q, k = rotary(positions, q, k)
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        if metadata.decode_only:
+            # Device tensors only (a compiled decode step, worker/cpu_compiled.py): every row is
+            # one sequence's query; block_tables are as wide as the longest context needs.
+            return self._attend_decode(
+                q, kv_cache, metadata.seq_lens.long(), metadata.block_tables.long(), scale, sliding_window,
+                logits_soft_cap,
+            )
         plan = self._get_plan(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in plan.decode_groups:
-            out[group.rows] = self._decode(q, kv_cache, group, scale, sliding_window, logits_soft_cap)
+            out[group.rows] = self._attend_decode(
+                q[group.rows], kv_cache, group.seq_lens, group.block_tables, scale, sliding_window, logits_soft_cap
+            )
         for p in plan.prefills:
             out[p.start : p.end] = self._prefill(q, k, v, kv_cache, p, scale, sliding_window, logits_soft_cap)
         return out
@@ -153,33 +162,35 @@ class TorchReferenceBackend:
 
     # ---------------------------------------------------------------- decode rows, batched
 
-    def _decode(
+    def _attend_decode(
         self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
-        g: _DecodeGroup,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
     ) -> torch.Tensor:
-        b = g.rows.numel()
+        """q [b, Hq, D], one query per sequence at position seq_len - 1; seq_lens long [b],
+        block_tables long [b, blocks] -> [b, Hq, D] in q's dtype."""
+        b = q.shape[0]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        length = g.block_tables.shape[1] * block_size
+        length = block_tables.shape[1] * block_size
         # Gathering K and V separately yields contiguous [b, blocks, block_size, Hkv, D] tensors,
         # so flattening blocks into one token axis is a free view.
-        keys = kv_cache[:, 0][g.block_tables].view(b, length, num_kv_heads, head_dim)
-        values = kv_cache[:, 1][g.block_tables].view(b, length, num_kv_heads, head_dim)
+        keys = kv_cache[:, 0][block_tables].view(b, length, num_kv_heads, head_dim)
+        values = kv_cache[:, 1][block_tables].view(b, length, num_kv_heads, head_dim)
         keys, values = dequantize_kv(keys, self.k_scale), dequantize_kv(values, self.v_scale)
 
         pos = torch.arange(length, device=q.device)
-        valid = pos[None, :] < g.seq_lens[:, None]
+        valid = pos[None, :] < seq_lens[:, None]
         if sliding_window is not None:
             # The query sits at position seq_len - 1 and sees the keys after p - window.
-            valid &= pos[None, :] > (g.seq_lens[:, None] - 1 - sliding_window)
+            valid &= pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
 
-        qd = q[g.rows].unsqueeze(2)  # [b, Hq, 1, D]
         mask = valid[:, None, None, :]  # [b, 1, Lq=1, L]
-        out = _attend(qd, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, soft_cap)
+        out = _attend(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale, soft_cap)
         return out.squeeze(2).to(q.dtype)
 
     # ---------------------------------------------------------------- prefill chunks, per sequence

@@ -3,7 +3,8 @@
 Owns the model, the paged KV cache tensors, the per-request input state (updated by the
 scheduler's diffs) and the per-request sampling state. On a GPU, decode-only steps replay CUDA
 graphs (cuda_graphs.py) and, where the next step is determined on the device, the next step is
-launched before this one is read back (lookahead.py). The only host<->device synchronisation per
+launched before this one is read back (lookahead.py); on the CPU they run a compiled graph
+(compiled_decode.py). The only host<->device synchronisation per
 step is reading back the sampled ids and the logprobs that were asked for, once, together.
 """
 
@@ -21,6 +22,7 @@ from paphos.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paphos.sample.guided import GuidedState
 from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.sampler import Sampler, SamplerOutput
+from paphos.worker.compiled_decode import CompiledDecode
 from paphos.worker.cuda_graphs import DecodeGraphs
 from paphos.worker.input_batch import (
     DeviceUploader,
@@ -73,6 +75,8 @@ class ModelRunner:
         self.uploader = DeviceUploader(device)
         # Set up by `capture_decode_graphs` (GPU, not --enforce-eager); None = every step eager.
         self.decode_graphs: DecodeGraphs | None = None
+        # Set up by `compile_decode` (CPU, not --enforce-eager).
+        self.compiled_decode: CompiledDecode | None = None
         # The next decode step, launched before this one was read back (lookahead.py), or None.
         self._lookahead: Lookahead | None = None
         self.sampler = Sampler()
@@ -104,7 +108,8 @@ class ModelRunner:
             result, metadata, on_graphs = lookahead.result, lookahead.metadata, True
         else:
             hidden, sampling_logits = self._forward(inputs)
-            on_graphs = hidden is None
+            # The lookahead replays CUDA graphs only (a compiled CPU step runs synchronously).
+            on_graphs = hidden is None and self.decode_graphs is not None
             if inputs.sampling_reqs:
                 assert sampling_logits is not None
                 metadata = self._sampling_metadata(states)
@@ -124,6 +129,10 @@ class ModelRunner:
             )
         return output
 
+    def compile_decode(self, max_num_seqs: int) -> None:
+        self.compiled_decode = CompiledDecode(self.model, self.kv_caches, max_num_seqs)
+        self.compiled_decode.warm_up()
+
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
@@ -131,12 +140,14 @@ class ModelRunner:
         self.decode_graphs.capture()
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The step's forward pass -> (hidden states of every row, or None when a CUDA graph ran;
+        """The step's forward pass -> (hidden states of every row, or None when a graph ran;
         fp32 logits of the sampling rows, or None when no row samples)."""
         md = inputs.attn_metadata
         every_row_samples = len(inputs.sampling_rows) == md.num_tokens and not inputs.prompt_logprob_rows
         if self.decode_graphs is not None and every_row_samples and self.decode_graphs.can_run(md):
             return None, self.decode_graphs.run(inputs.input_ids, inputs.positions, md)
+        if self.compiled_decode is not None and every_row_samples and self.compiled_decode.can_run(md):
+            return None, self.compiled_decode.run(inputs.input_ids, inputs.positions, md)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
         logits = self.model.compute_logits(hidden[inputs.sampling_rows]) if inputs.sampling_reqs else None
         return hidden, logits

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,11 +17,13 @@ import torch
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.config import ConfigError, EngineConfig
+from paphos.default_model import default_cache_dir
 from paphos.loader import load_model_source
 from paphos.models.registry import resolve_model_class
 from paphos.quant.registry import select_quant_config
 from paphos.sample.guided import tokenizer_info
 from paphos.tokenizer import Tokenizer
+from paphos.worker.compiled_decode import use_persistent_cache
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
 from paphos.worker.profiling import profile_kv_budget
@@ -92,6 +95,10 @@ def load_worker(config: EngineConfig) -> Worker:
     dtype = resolve_dtype(model_config.dtype, source.hf_config, device)
     kv_dtype = _kv_cache_dtype(config, backend, dtype)
     torch.manual_seed(model_config.seed)
+    if model_config.threads is not None:
+        torch.set_num_threads(model_config.threads)
+    if device.type == "cpu":
+        logger.info("CPU threads: %d", torch.get_num_threads())
     model_cls = resolve_model_class(source.hf_config)
     quant_config = select_quant_config(source, model_config.quantization, model_config.gguf_numerics)
     with torch.device(device):
@@ -125,6 +132,9 @@ def load_worker(config: EngineConfig) -> Worker:
     )
     if graphs:
         runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
+    if device.type == "cpu" and not model_config.enforce_eager and cpu_compile_enabled():
+        use_persistent_cache(str(default_cache_dir().parent / "inductor"))
+        runner.compile_decode(config.scheduler.max_num_seqs)
     if device.type == "cuda":
         warm_up_mixed_steps(runner, num_blocks, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
     return Worker(
@@ -136,6 +146,13 @@ def load_worker(config: EngineConfig) -> Worker:
         vocab_size=model.vocab_size,
         num_blocks=num_blocks,
     )
+
+
+def cpu_compile_enabled() -> bool:
+    """`PAPHOS_CPU_COMPILE=0` turns the compiled CPU decode step off for every engine a process
+    starts, spawned servers included (the test suite sets it: each of its many tiny models would
+    otherwise be compiled; tests/worker/test_compiled_decode.py turns it back on)."""
+    return os.environ.get("PAPHOS_CPU_COMPILE", "1") != "0"
 
 
 def _attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
