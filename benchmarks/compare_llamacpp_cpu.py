@@ -1,7 +1,8 @@
 """Paphos vs llama.cpp serving on CPU, same GGUF, one server at a time.
 
-For each server in turn (never both at once: a small CPU box would measure the contention):
-start it as a subprocess, wait for it to answer, run
+For `--rounds` rounds, each server in turn (never both at once: a small CPU box would measure the
+contention; the order alternates between rounds so that neither always runs on a warmer or a more
+loaded machine): start it as a subprocess with `--threads` threads, wait for it to answer, run
 
 - the serving client of `bench_serving.py` at each `--concurrency` level (unique prompts of
   `--input-len` tokens, exactly `--output-len` output tokens each),
@@ -10,7 +11,8 @@ start it as a subprocess, wait for it to answer, run
 - single-stream prefill: one request of `--prefill-len` prompt tokens and 1 output token,
   prefill tok/s = prompt tokens / TTFT, median over `--repeats`,
 
-then stop it. Prints one comparison table and writes everything as JSON (`--out`).
+then stop it. Prints one comparison table, each figure the median over the rounds with the
+lowest and highest round beside it, and writes every round as JSON (`--out`).
 
 The peer is llama.cpp's own `llama-server` (`--peer llama-server`, the default when the binary is
 found): it batches concurrent requests (`--parallel` slots, continuous batching), accepts token-id
@@ -227,8 +229,7 @@ async def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def run_server(server: Server, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    log_path = log_dir / f"{server.name}.log"
+def run_server(server: Server, args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
     print(f"starting {server.name}: {shlex.join(server.cmd)}  (log: {log_path})", flush=True)
     with log_path.open("wb") as log:
         env = {**os.environ, **(server.env or {})}
@@ -256,7 +257,7 @@ def build_servers(args: argparse.Namespace, model: str) -> list[Server]:
     servers = []
     if not args.skip_paphos:
         port = free_port()
-        cmd = [args.paphos_python, "-m", "paphos", "run", model, "--port", str(port)]
+        cmd = [args.paphos_python, "-m", "paphos", "run", model, "--port", str(port), "--threads", str(args.threads)]
         servers.append(Server("paphos", cmd + shlex.split(args.paphos_args), port))
     if args.skip_peer:
         return servers
@@ -293,12 +294,21 @@ def _share(result: dict[str, Any]) -> str:
     return "-" if share is None else f"{share:.0%}"
 
 
-def comparison_table(results: dict[str, dict[str, Any]], concurrency: list[int]) -> str:
+def comparison_table(results: dict[str, list[dict[str, Any]]], concurrency: list[int]) -> str:
+    """One row per metric, one column per server: median over the rounds (lowest-highest)."""
     names = list(results)
     rows: list[tuple[str, list[str]]] = []
 
-    def fmt(x: Any) -> str:
-        return "-" if x is None or (isinstance(x, float) and x != x) else f"{x:.1f}"
+    def cell(values: list[Any]) -> str:
+        values = [v for v in values if v is not None and not (isinstance(v, float) and v != v)]
+        if not values:
+            return "-"
+        if len(values) == 1:
+            return f"{values[0]:.1f}"
+        return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+    def per_round(name: str, get: Any) -> list[Any]:
+        return [get(r) for r in results[name]]
 
     for c in concurrency:
         for label, get in (
@@ -309,13 +319,19 @@ def comparison_table(results: dict[str, dict[str, Any]], concurrency: list[int])
             ("p99 ITL ms", lambda s: s["itl_ms"]["p99"]),
             ("mean E2E ms", lambda s: s["e2e_ms"]["mean"]),
         ):
-            rows.append((f"c={c:<3d} {label}", [fmt(get(results[n]["serving"][str(c)])) for n in names]))
-    rows.append(("single-stream decode tok/s", [fmt(results[n]["decode_tok_s"]) for n in names]))
-    rows.append(("single-stream prefill tok/s", [fmt(results[n]["prefill_tok_s"]) for n in names]))
-    rows.append(("startup s", [fmt(results[n].get("startup_s")) for n in names]))
-    rows.append(("CPU used by other processes", [_share(results[n]) for n in names]))
+            rows.append((
+                f"c={c:<3d} {label}",
+                [cell(per_round(n, lambda r, get=get, c=c: get(r["serving"][str(c)]))) for n in names],
+            ))  # fmt: skip
+    for label, key in (("single-stream decode tok/s", "decode_tok_s"), ("single-stream prefill tok/s", "prefill_tok_s"),
+                       ("startup s", "startup_s")):  # fmt: skip
+        rows.append((label, [cell(per_round(n, lambda r, key=key: r.get(key))) for n in names]))
+    rows.append(("CPU used by other processes", [
+        cell([100 * s for s in per_round(n, lambda r: r.get("other_cpu_share")) if s is not None]) + " %"
+        for n in names
+    ]))  # fmt: skip
     width = max(len(r[0]) for r in rows) + 2
-    col = max(14, *(len(n) + 2 for n in names))
+    col = max(24, *(len(n) + 2 for n in names))
     lines = [f"{'metric':<{width}}" + "".join(f"{n:>{col}}" for n in names)]
     lines.append("-" * (width + col * len(names)))
     lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
@@ -340,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--decode-len", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="single-stream requests per round")
+    ap.add_argument("--rounds", type=int, default=3, help="start-measure-stop cycles of each server")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--skip-paphos", action="store_true")
@@ -359,17 +376,21 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    results: dict[str, dict[str, Any]] = {}
-    for server in build_servers(args, model):
-        try:
-            results[server.name] = run_server(server, args, log_dir)
-        except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-            print(f"{server.name} failed: {exc} (see {log_dir / (server.name + '.log')})", file=sys.stderr)
+    results: dict[str, list[dict[str, Any]]] = {}
+    servers = build_servers(args, model)
+    for round_id in range(args.rounds):
+        for server in servers if round_id % 2 == 0 else servers[::-1]:
+            log_path = log_dir / f"{server.name}-{round_id}.log"
+            try:
+                results.setdefault(server.name, []).append(run_server(server, args, log_path))
+            except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+                print(f"{server.name} failed: {exc} (see {log_path})", file=sys.stderr)
     if not results:
         return 1
     print()
     print(
-        f"model {Path(model).name}, {args.input_len} prompt / {args.output_len} output tokens, {args.threads} threads"
+        f"model {Path(model).name}, {args.input_len} prompt / {args.output_len} output tokens, {args.threads} threads, "
+        f"median (lowest-highest) of {args.rounds} rounds"
     )
     print(comparison_table(results, args.concurrency))
     if args.out:
