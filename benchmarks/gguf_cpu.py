@@ -5,7 +5,8 @@ For each model in turn, every mode is built; then, in alternation for `--rounds`
 timed on single-stream greedy decode (`--output-len` tokens after a `--input-len` prompt; decode
 tok/s excludes the prefill step) and on one prefill of `--prefill-len` tokens; the best round
 counts. Prompts are the same token ids for every mode and differ per round (no prefix-cache hits).
-Weight bytes: the model's parameters and buffers after loading (llama.cpp: `llama_model_size`).
+Weight bytes: the model's parameters and buffers after loading, RoPE tables aside (llama.cpp:
+`llama_model_size`).
 
 Modes:
   native       Paphos' default: GGUF blocks stay quantized, each layer runs the first kernel that
@@ -39,7 +40,12 @@ GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    """Parameters and buffers, without the RoPE cos/sin tables: those scale with the model's
+    maximum context (Gemma 3's two tables of 32k positions: 64 MiB), not with its weights."""
+    from paphos.layers.rotary import RotaryEmbedding
+
+    tables = {id(b) for m in model.modules() if isinstance(m, RotaryEmbedding) for b in m.buffers()}
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in tables}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -9,18 +9,24 @@ arithmetic (SmolLM2-135M: ~2,000 aten calls per step for 30 layers). `torch.comp
 inductor backend turns the step into a few fused C++ loops per layer around the packed matmuls,
 the CPU counterpart of the CUDA graphs in cuda_graphs.py.
 
-Two graphs, both compiled at start-up (`warm_up`): batch 1 (specialised; the single-stream step)
-and batch >= 2 (the batch size symbolic). In both, the block-table width (the longest context of
-the step) is symbolic, padded to at least 2 columns so that a one-block context never
-specialises it. Inductor is told to round every intermediate as eager does
-(`emulate_precision_casts`), so a compiled step gives the eager step's logits bit for bit in bf16.
-Guards on module attributes are skipped (the weights never change after loading), which takes the
-per-call guard check from ~1 ms to microseconds. A step whose inputs would need a new graph runs
-eagerly instead of compiling in the middle of serving (logged once).
+Two graphs per step, the layers and the LM head, each in two versions compiled at start-up
+(`warm_up`): batch 1 (specialised; the single-stream step) and batch >= 2 (the batch size
+symbolic). In both, the block-table width (the longest context of the step) is symbolic, padded
+to at least 2 columns so that a one-block context never specialises it. The head is separate so
+that inductor cannot inline the final norm into the head's loop over the vocabulary.
 
-Compile time: ~1-2 minutes for both graphs on 2 cores the first time; inductor's on-disk cache
-(`TORCHINDUCTOR_CACHE_DIR`, by default under Paphos' cache directory) brings later starts to
-seconds.
+Numerics: inductor rounds every intermediate as eager does (`emulate_precision_casts`); what still
+differs is summation order (the symbolic-batch graph's loops are tiled for any batch) and the
+int8-group layers' batch-1 reduction, which sums in fp32 over the exact weights where eager rounds
+them to bf16 (paphos/quant/kernels/int8_group_cpu.py): bf16 logits agree to their last bits,
+float32 ones to ~1e-6 (tests/worker/test_compiled_decode.py: the same greedy tokens, logprobs
+within 1e-4). Guards on module attributes are skipped (the weights never change after loading),
+which takes the per-call guard check from ~1 ms to microseconds. A step whose inputs would need a
+new graph runs eagerly instead of compiling in the middle of serving (logged once).
+
+Compile time: about 100 s for the default model on 2 cores the first time; inductor's on-disk
+cache (`TORCHINDUCTOR_CACHE_DIR`, by default under Paphos' cache directory) brings later starts
+to about 20 s.
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,17 +55,20 @@ class CompiledDecode:
         self.model = model
         self.kv_caches = kv_caches
         self.max_batch = max_num_seqs
-        self._compiled: Callable[..., torch.Tensor] = torch.compile(
-            self._forward,
-            dynamic=False,
-            options={
-                "emulate_precision_casts": True,
-                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-            },
-        )
+        options = {
+            "emulate_precision_casts": True,
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        }
+        # The LM head is a graph of its own: in one graph with the layers, inductor inlines the
+        # final norm into the head's loop over the vocabulary (an int8 head: 1.7 -> 4.3 ms).
+        self._layers = torch.compile(self._hidden, dynamic=False, options=options)
+        self._head = torch.compile(model.compute_logits, dynamic=False, options=options)
         self._failed_once = False
 
-    def _forward(
+    def _compiled(self, *args: torch.Tensor) -> torch.Tensor:
+        return self._head(self._layers(*args))
+
+    def _hidden(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
@@ -81,8 +89,10 @@ class CompiledDecode:
             seq_lens_cpu=[],
             decode_only=True,
         )
-        hidden = self.model(input_ids, positions, self.kv_caches, md)
-        return self.model.compute_logits(hidden)
+        return self.model(input_ids, positions, self.kv_caches, md)
+
+    def _forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self._hidden(*args))
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -102,7 +112,10 @@ class CompiledDecode:
                 for t in args:
                     torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(args[3], 1)
-            self._compiled(*args)
+            hidden = self._layers(*args)
+            if batch > 1:
+                torch._dynamo.mark_dynamic(hidden, 0)
+            self._head(hidden)
         logger.info("compiled the CPU decode step (batch 1 and 2-%d) in %.1f s", self.max_batch,
                     time.perf_counter() - start)  # fmt: skip
 

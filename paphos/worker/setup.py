@@ -20,6 +20,7 @@ from paphos.config import ConfigError, EngineConfig
 from paphos.default_model import default_cache_dir
 from paphos.loader import load_model_source
 from paphos.models.registry import resolve_model_class
+from paphos.quant.gguf.kernels import INT8_GROUPS_ON_CPU
 from paphos.quant.registry import select_quant_config
 from paphos.sample.guided import tokenizer_info
 from paphos.tokenizer import Tokenizer
@@ -105,7 +106,12 @@ def load_worker(config: EngineConfig) -> Worker:
         model = model_cls(
             source.hf_config, dtype=dtype, attn_backend=backend, quant_config=quant_config
         )
-    source.load_into(model, seed=model_config.seed)
+    compile_decode = device.type == "cpu" and not model_config.enforce_eager and cpu_compile_enabled()
+    int8_groups = INT8_GROUPS_ON_CPU.set(compile_decode)
+    try:
+        source.load_into(model, seed=model_config.seed)
+    finally:
+        INT8_GROUPS_ON_CPU.reset(int8_groups)
     model.eval()
     for line in getattr(quant_config, "summary", list)():
         logger.info("%s", line)
@@ -132,7 +138,7 @@ def load_worker(config: EngineConfig) -> Worker:
     )
     if graphs:
         runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
-    if device.type == "cpu" and not model_config.enforce_eager and cpu_compile_enabled():
+    if compile_decode:
         use_persistent_cache(str(default_cache_dir().parent / "inductor"))
         runner.compile_decode(config.scheduler.max_num_seqs)
     if device.type == "cuda":

@@ -90,7 +90,7 @@ def test_untied_embedding_keeps_blocks_and_rows_are_exact(type_name: str, dtype:
 @pytest.mark.parametrize(
     ("type_name", "dtype", "kernel"),
     [
-        ("Q8_0", torch.bfloat16, gk.DequantizedAtLoadKernel),  # the default model's case
+        ("Q8_0", torch.bfloat16, gk.Int8GroupCPUKernel),  # the default model's case: int8 codes
         ("Q8_0", torch.float32, gk.DequantizedAtLoadKernel),
         ("Q4_K", torch.bfloat16, gk.Int4PackCPUKernel),  # packed head, raw blocks kept for lookups
         ("Q4_0", torch.float32, gk.DequantizedAtLoadKernel),
@@ -110,9 +110,12 @@ def test_tied_head_shares_the_embedding(type_name: str, dtype: torch.dtype, kern
     ref = x.float() @ table.t()
     assert logits.dtype == torch.float32 and logits.shape == (7, vocab)
     assert _rel(logits, ref) < 1e-2
-    if kernel is gk.DequantizedAtLoadKernel:  # exactly today's float head: one table for both
+    if kernel is not gk.Int4PackCPUKernel:  # exactly a float head: one table for both
         assert torch.equal(logits, F.linear(x, table.to(dtype)).float())
+    if kernel is gk.DequantizedAtLoadKernel:
         assert _bytes(emb) == vocab * HIDDEN * dtype.itemsize
+    if kernel is gk.Int8GroupCPUKernel:  # a byte per value and a float32 scale per 32
+        assert _bytes(emb) == vocab * HIDDEN + vocab * HIDDEN // 32 * 4
 
 
 @pytest.mark.parametrize(("type_name", "vocab"), [("Q6_K", 100), ("Q4_K", 96), ("Q4_0", 37)])

@@ -27,6 +27,7 @@ from paphos.quant.gguf.kernels import (
     DequantizedAtLoadKernel,
     DequantPerCallKernel,
     Int4PackCPUKernel,
+    Int8GroupCPUKernel,
     select_kernel,
 )
 from paphos.quant.kernels import int4pack_cpu
@@ -79,13 +80,34 @@ def test_int4pack_kernel_for_q4_shards_in_bf16() -> None:
         assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
+def test_int8_group_kernel_for_q8_q5_q6_shards_in_bf16() -> None:
+    layer, w = _qkv_layer(("Q5_0", "Q8_0", "Q6_K"), torch.bfloat16)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert isinstance(layer.quant_method.kernel, Int8GroupCPUKernel)
+    assert layer.weight.numel() == 0  # raw blocks freed
+    # A byte per value, a float32 scale per 16 (Q6_K's group, shared by the merged layer).
+    assert layer.gguf_codes.numel() + layer.gguf_scales.numel() * 4 == w.numel() + w.numel() // 16 * 4
+    x = _x(torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, w.to(torch.bfloat16)))  # eager: a weight dequantized at load
+
+    # One row inside a compiled step: one fp32 reduction over the exact weights.
+    row = _x(torch.bfloat16, 1)
+    compiled = torch.compile(layer.forward, dynamic=False)(row)
+    ref = F.linear(row.float(), w)
+    assert compiled.dtype == torch.bfloat16
+    assert (compiled.float() - ref).abs().max() <= 2**-8 * ref.abs().max()  # the bf16 output rounding
+
+
 def test_other_types_dequantized_at_load_exactly() -> None:
     for dtype in (torch.float32, torch.bfloat16):
-        layer, w = _qkv_layer(("Q5_0", "Q8_0", "Q6_K"), dtype)
+        layer, w = _qkv_layer(("Q5_1", "Q8_0", "IQ4_NL"), dtype)
         layer.quant_method.process_weights_after_loading(layer)
         assert isinstance(layer.quant_method.kernel, DequantizedAtLoadKernel)
         x = _x(dtype)
         assert torch.equal(layer(x), F.linear(x, w.to(dtype)))
+    layer, w = _qkv_layer(("Q5_0", "Q8_0", "Q6_K"), torch.float32)  # float32: always the exact path
+    layer.quant_method.process_weights_after_loading(layer)
+    assert isinstance(layer.quant_method.kernel, DequantizedAtLoadKernel)
     # float32 activations take the exact path for Q4 types too.
     layer, w = _qkv_layer(("Q4_K", "Q4_0", "Q4_1"), torch.float32)
     layer.quant_method.process_weights_after_loading(layer)

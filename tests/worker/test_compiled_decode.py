@@ -9,8 +9,18 @@ padded block table) and contexts that grow across block boundaries while decodin
 from __future__ import annotations
 
 import pytest
+import torch
 
 from paphos import LLM, SamplingParams
+from paphos.attention.metadata import AttentionMetadata
+from paphos.attention.torch_ref import TorchReferenceBackend
+from paphos.loader import GGUFCheckpoint
+from paphos.loader.source import raw_tensor_names
+from paphos.models.registry import resolve_model_class
+from paphos.quant.gguf import GGUFQuantConfig
+from paphos.quant.gguf.kernels import Int4PackCPUKernel, Int8GroupCPUKernel
+from paphos.worker.compiled_decode import CompiledDecode
+from tests.quant.gguf_blocks import write_tiny_llama
 
 PROMPT_LENGTHS = (3, 10, 17, 40)  # block size 16: one, two and three blocks at the start
 
@@ -58,3 +68,46 @@ def test_compiled_decode_gives_the_eager_tokens_and_logprobs(tiny_model, compile
     # 23 decode steps per request alone, then 23 for the batch: every one ran on a graph.
     assert graph_calls == 23 * (len(prompts) + 1)
     assert not runner.compiled_decode._failed_once
+
+
+def test_int8_group_layers_in_a_compiled_step_match_the_eager_step(tmp_path) -> None:
+    """Q8_0 / Q5_0 / Q6_K layers and a tied Q8_0 head of a bf16 GGUF model, kept as int8 codes:
+    the compiled step's fused batch-1 reduction and its batch >= 2 graph give the eager step's logits
+    within bf16 rounding (eager rounds the dequantized weights to bf16, the reduction does not)."""
+    types = {"attn_q": "Q5_0", "attn_k": "Q8_0", "attn_v": "Q6_K", "attn_output": "Q4_K",
+             "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q6_K"}  # fmt: skip
+    ckpt = GGUFCheckpoint(write_tiny_llama(tmp_path / "tiny.gguf", [types, types]))
+    config = ckpt.hf_config
+    model = resolve_model_class(config)(
+        config, torch.bfloat16, TorchReferenceBackend(), GGUFQuantConfig.from_checkpoint(ckpt)
+    ).eval()
+    model.load_weights(ckpt.iter_weights(show_progress=False, raw_names=raw_tensor_names(model)))
+    layer = model.model.layers[0]
+    kernels = [type(m.quant_method.kernel) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
+    assert kernels == [Int8GroupCPUKernel, Int4PackCPUKernel, Int8GroupCPUKernel, Int8GroupCPUKernel]
+    assert isinstance(model.model.embed_tokens.quant_method.kernel, Int8GroupCPUKernel)  # the tied head
+
+    block = 4
+    caches = [torch.zeros(model.kv_cache_shape_per_layer(16, block), dtype=torch.bfloat16) for _ in range(2)]
+    compiled = CompiledDecode(model, caches, max_num_seqs=4)
+    compiled.warm_up()
+    gen = torch.Generator().manual_seed(0)
+    # Inside inference mode, as the runner builds its step inputs (the graphs guard on it).
+    with torch.inference_mode():
+        for batch, width in ((1, 3), (3, 2), (1, 1)):
+            seq_lens = torch.randint(1, width * block + 1, (batch,), generator=gen, dtype=torch.int32)
+            tables = (1 + torch.randperm(15, generator=gen)[: batch * width]).view(batch, width).to(torch.int32)
+            positions = seq_lens.long() - 1
+            slots = tables.long().gather(1, (positions // block).unsqueeze(1)).squeeze(1) * block + positions % block
+            md = AttentionMetadata(
+                num_tokens=batch, query_start_loc=torch.arange(batch + 1, dtype=torch.int32), seq_lens=seq_lens,
+                block_tables=tables, slot_mapping=slots, max_query_len=1, max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=seq_lens.tolist(),
+            )  # fmt: skip
+            ids = torch.randint(0, config.vocab_size, (batch,), generator=gen)
+            got = compiled.run(ids, positions, md)
+            want = compiled._forward(*compiled._inputs(ids, positions, slots, tables, seq_lens))
+            assert got.shape == (batch, config.vocab_size)
+            assert (got - want).abs().max() <= 0.02 * want.abs().max(), (batch, width)
+    assert not compiled._failed_once  # every step ran on the graphs

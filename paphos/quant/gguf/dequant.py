@@ -294,3 +294,28 @@ def q4_affine_groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, t
         scale.reshape(groups).reshape(rows, -1),
         offset.reshape(groups).reshape(rows, -1),
     )
+
+
+# Symmetric types whose codes fit int8: type -> values per scale.
+INT8_GROUP_TYPES = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16}
+
+
+def int8_groups(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a Q8_0/Q5_0/Q6_K tensor as `w = scale * q` per group of INT8_GROUP_TYPES[type]
+    values: (q int8 [rows, K], scale float32 [rows, K / group]); the products are `dequantize`'s."""
+    rows = raw.shape[0]
+    _, size, _ = _TYPES[type_name]
+    b = raw.reshape(-1, size)
+    n = b.shape[0]
+    if type_name == "Q8_0":
+        q, scale = b[:, 2:].contiguous().view(torch.int8), f16_at(b, 0)
+    elif type_name == "Q5_0":
+        q, scale = (_q5(b[:, 2:6], b[:, 6:]) - 16).to(torch.int8), f16_at(b, 0)
+    elif type_name == "Q6_K":
+        ql = nibbles(b[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
+        qh = bits(b[:, 128:192].reshape(n, 2, 32), 2, 4).permute(0, 1, 3, 2).reshape(n, 8, 32)
+        q = ((ql | (qh << 4)) - 32).to(torch.int8)
+        scale = f16_at(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
+    else:
+        raise ValueError(f"{type_name} has no int8 group form ({', '.join(INT8_GROUP_TYPES)})")
+    return q.reshape(rows, -1), scale.reshape(rows, -1)

@@ -12,23 +12,27 @@ serves row lookups (an untied token embedding) takes `select_embedding_kernel` i
 planes on CUDA, else the raw blocks): it is never dequantized whole. Kernels with an `embed` give
 the rows of a token embedding (a head tied to it shares the one layout).
 
-The CPU choice. Per-call dequantization costs several times the matmul it feeds (a 1536x576 Q4_1
-weight: 0.9 ms to dequantize in torch, 0.12 ms for the bf16 GEMV), so on CPU a layer either runs
-a kernel that reads packed 4-bit weights (torch's int4pack: Q4_0, Q4_1 and Q4_K map exactly onto
-its scale/zero groups of 32; bf16 activations; 37 us for that GEMV) or, for other types and for
-float32 models, is dequantized once at load into the model dtype (float32: the exact reference).
-Measured with benchmarks/gguf_cpu.py (bf16, 2 shared cores, best of 3 alternating rounds):
-  SmolLM2-135M Q4_1    decode 41 tok/s (22 dequantized at load), weights 119 MiB (259),
-                       prefill 512 / 1024 / 2048 tokens: 550 / 690 / 633 tok/s (970 / 952 / 713):
-                       packed weights cost prefill speed, see `Int4PackCPUKernel`
-  Gemma-3-270M Q4_K_M  decode 15.1 tok/s (14.0), weights 544 MiB (575; 320 MiB of it the bf16
-                       embedding, also the tied head), prefill 512: 764 tok/s (898); its Q5_0 /
-                       Q6_K / Q8_0 layers have no packed CPU kernel yet, so are dequantized at load
+The CPU choice (bf16 models; float32 models dequantize every layer once at load: the exact
+reference). Per-call dequantization costs several times the matmul it feeds, and a bf16 weight
+twice to four times the memory traffic of the packed one, so decode reads packed weights:
+  * Q4_0 / Q4_1 / Q4_K: torch's int4pack (`Int4PackCPUKernel`: their scale/zero groups of 32 map
+    onto its layout exactly; bf16 activations);
+  * Q8_0 / Q5_0 / Q6_K: int8 codes and float32 group scales (`Int8GroupCPUKernel`): one byte per
+    value, and exact rows for a tied embedding;
+  * the rest: dequantized at load into the model dtype.
+Measured with benchmarks/gguf_cpu.py (bf16, 2 cores, compiled decode step, best of 3 alternating
+rounds, 2026-12-04):
+  SmolLM2-135M Q4_1    decode 112.9 tok/s (llama.cpp 135.8), weights 93.7 MiB (file 93.8, llama.cpp
+                       92.1; 119.3 with the Q8_0 tied head in bf16), prefill 256: 569 tok/s
+  Gemma-3-270M Q4_K_M  decode 54.7 tok/s (llama.cpp 65.6), weights 277.8 MiB (file 241.4, llama.cpp
+                       235.2; 544 with Q5_0 / Q6_K / Q8_0 dequantized at load), prefill 256: 361 tok/s (924 with them
+                       dequantized at load: int8 layers dequantize per prefill call)
 """
 
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +46,15 @@ from paphos.quant.gguf.base import (
     drop_raw,
     raw_shard,
 )
-from paphos.quant.gguf.dequant import Q4_AFFINE_TYPES, dequantize, q4_affine_groups
+from paphos.quant.gguf.dequant import (
+    INT8_GROUP_TYPES,
+    Q4_AFFINE_TYPES,
+    dequantize,
+    int8_groups,
+    q4_affine_groups,
+)
 from paphos.quant.gguf.triton_gguf import TritonGGUFKernel
-from paphos.quant.kernels import int4pack_cpu
+from paphos.quant.kernels import int4pack_cpu, int8_group_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +93,52 @@ class Int4PackCPUKernel:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return int4pack_cpu.matmul(x, layer.gguf_int4, layer.gguf_scale_zero, GROUP)
+
+
+# Whether bf16 CPU layers of Q8_0 / Q5_0 / Q6_K stay int8 (`Int8GroupCPUKernel`). That pays only
+# where the decode step is compiled (its batch-1 matmul is then one fused pass over the codes); an
+# eager engine keeps them dequantized at load, whose bf16 GEMVs beat a per-call dequantization
+# (worker/setup.py sets this around loading).
+INT8_GROUPS_ON_CPU: ContextVar[bool] = ContextVar("INT8_GROUPS_ON_CPU", default=True)
+
+
+class Int8GroupCPUKernel:
+    """Q8_0 / Q5_0 / Q6_K shards as int8 codes and float32 group scales (paphos/quant/kernels/
+    int8_group_cpu.py): ~1 byte per value where a bf16 weight takes 2, exact rows for a tied
+    embedding. Memory: 8 bits + 32 bits per group (Q8_0 9, Q5_0 9 (5.5 in the file), Q6_K 10 (6.6)),
+    the smallest group of a merged layer's shards for all of them."""
+
+    name = "int8-groups-cpu"
+
+    @classmethod
+    def can_implement(cls, shards: tuple[GGUFShard, ...], device: torch.device, dtype: torch.dtype) -> bool:
+        return (
+            device.type == "cpu"
+            and dtype == torch.bfloat16
+            and INT8_GROUPS_ON_CPU.get()
+            and all(s.type_name in INT8_GROUP_TYPES for s in shards)
+        )
+
+    def prepare(self, layer: nn.Module, shards: tuple[GGUFShard, ...], dtype: torch.dtype) -> None:
+        # Shards of different group sizes (a merged Q5_0 + Q6_K layer) share the smallest one.
+        group = min(INT8_GROUP_TYPES[s.type_name] for s in shards)
+        codes, scales = [], []
+        for s in shards:
+            q, scale = int8_groups(raw_shard(layer.weight, s), s.type_name)
+            codes.append(q)
+            scales.append(scale.repeat_interleave(INT8_GROUP_TYPES[s.type_name] // group, dim=1))
+        layer.register_buffer("gguf_codes", torch.cat(codes).contiguous(), persistent=False)
+        layer.register_buffer("gguf_scales", torch.cat(scales).contiguous(), persistent=False)
+        self.dtype = dtype
+        drop_raw(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return int8_group_cpu.matmul(x, layer.gguf_codes, layer.gguf_scales)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = int8_group_cpu.dequantize_rows(layer.gguf_codes[flat], layer.gguf_scales[flat], self.dtype)
+        return rows.view(*ids.shape, -1)
 
 
 class DequantPerCallKernel:
@@ -124,7 +180,7 @@ def embed_raw(
 # DequantPerCallKernel is not a candidate: on a GPU it dequantizes every weight on every step
 # (tens of ms for an 8B model); it stays as a torch reference.
 
-KERNELS: list[type[GGUFKernel]] = [TritonGGUFKernel, Int4PackCPUKernel, DequantizedAtLoadKernel]
+KERNELS: list[type[GGUFKernel]] = [TritonGGUFKernel, Int4PackCPUKernel, Int8GroupCPUKernel, DequantizedAtLoadKernel]
 
 # For weights that only serve row lookups (an untied embedding): kept in blocks, never
 # dequantized whole. The Triton layout on CUDA (one launch per lookup), else the raw blocks.
