@@ -69,9 +69,12 @@ L2_BYTES = 60 << 20  # H200
 DEV = "cuda"
 
 CANDIDATES = {  # the default first
-    "dot64": k8.SmallMConfig(64, 256),
-    "dot32": k8.SmallMConfig(32, 256),
-    "dot32k512": k8.SmallMConfig(32, 512),
+    "split": k8.SmallMConfig(),  # K split towards 2 programs per SM
+    "old": k8.SmallMConfig(split_k=1),  # no split: before issue #18's split-K
+    "pps1": k8.SmallMConfig(programs_per_sm=1),
+    "pps4": k8.SmallMConfig(programs_per_sm=4),
+    "k128": k8.SmallMConfig(64, 128),
+    "k512s3": k8.SmallMConfig(64, 512, num_stages=3),
 }
 
 

@@ -75,9 +75,11 @@ MULTI_GEMV = [(2, 4), (4, 4), (2, 8), (4, 8), (8, 8)]
 GEMV_CANDIDATES = [ti.GemvConfig(1, 4, 4), ti.GemvConfig(1, 8, 8), ti.GemvConfig(2, 4, 8), ti.GemvConfig(1, 4, 8),
                    ti.GemvConfig(1, 2, 4)]  # fmt: skip
 # fused kernel tiles (BN, BK, warps, stages) at each token tile BM, and K-split targets (programs
-# per SM; 0: no split)
-GEMM_TILES = [(64, 128, 4, 3), (64, 128, 4, 5), (64, 256, 4, 4), (32, 128, 4, 4)]
-SPLIT_TARGETS = (2, 4, 0)
+# per SM; 0: no split); the tiles are swept at the token counts of --sweep-ms
+GEMM_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4),
+              (64, 256, 4, 3)]  # fmt: skip
+SPLIT_TARGETS = (1, 2, 4, 0)
+SWEEP_MS = (4, 16, 64)
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,8 @@ class Candidate:
             return f"{self.path}:{c.block_n}/{c.num_warps}/{c.rows_per_program}"
         if self.gemm:
             c = self.gemm
-            return (f"{self.path}:m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}"
-                    f"w{c.num_warps}st{c.num_stages}{'' if c.packed_math else 'f32'}")  # fmt: skip
+            kind = ("" if c.bytes_unpack else "nib") + ("" if c.scale_after else "S") + ("" if c.packed_math else "f32")
+            return f"{self.path}:m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}st{c.num_stages}{kind}"
         return self.path
 
 
@@ -119,13 +121,19 @@ def make_planes(spec: IntSpec, seed: int) -> dict[str, torch.Tensor]:
 
 
 def split_for(spec: IntSpec, m: int, bm: int, bn: int, bk: int, target: int) -> int:
-    """K slices so the grid has about `target` programs per SM (each slice >= 4 steps of BK)."""
+    """K slices so the grid has about `target` programs per SM (each slice >= 2 steps of BK)."""
     tiles = math.ceil(spec.out_features / bn) * math.ceil(m / bm)
     n_iters = spec.in_features // ti.fit_block_k(bk, spec)
     split = 1
-    while target and tiles * split < target * SMS and n_iters // (split * 2) >= 4:
+    while target and tiles * split < target * SMS and n_iters // (split * 2) >= 2:
         split *= 2
     return split
+
+
+def old_gemm(spec: IntSpec, m: int) -> ti.GemmConfig:
+    """The fused kernel as it was before the byte unpacking (`_nibbles`, scales before the dot),
+    with its launch rule: the baseline of every comparison."""
+    return dataclasses.replace(ti.gemm_config(spec, m), bytes_unpack=False, scale_after=False)
 
 
 def candidates(spec: IntSpec, m: int, sweep: bool) -> list[Candidate]:
@@ -138,9 +146,9 @@ def candidates(spec: IntSpec, m: int, sweep: bool) -> list[Candidate]:
     elif m <= 16:
         out += [Candidate("gemv", gemv=ti.GemvConfig(bn, warps, bn)) for bn, warps in MULTI_GEMV]
     bm = min(128, max(16, 1 << (m - 1).bit_length()))
-    if m < 16:  # the fused kernel's tiles are swept from 16 tokens (one tile of 16 serves fewer)
-        out.append(Candidate("gemm", gemm=ti.gemm_config(spec, m)))
-    if 16 <= m <= 128:
+    if 2 < m <= 128:
+        out.append(Candidate("gemm", gemm=old_gemm(spec, m)))
+    if m in SWEEP_MS and m <= 128:
         for bn, bk, warps, stages in GEMM_TILES:
             if bm * bn > 64 * 128:  # the accumulator alone would fill the registers
                 continue
@@ -150,8 +158,8 @@ def candidates(spec: IntSpec, m: int, sweep: bool) -> list[Candidate]:
                 if target and split == 1 or any(c.gemm == cfg for c in out):
                     continue
                 out.append(Candidate("gemm", gemm=cfg))
-    if m <= 128 and spec.bits == 4:  # float32 dequantization instead of packed 16-bit PTX
-        out.append(Candidate("gemm", gemm=dataclasses.replace(ti.gemm_config(spec, m), packed_math=False)))
+        if spec.bits == 4:  # bytes unpacked, but the scales applied before the dot
+            out.append(Candidate("gemm", gemm=dataclasses.replace(ti.gemm_config(spec, m), scale_after=False)))
     if m >= 64:
         out.append(Candidate("dequant"))
     return out
@@ -356,6 +364,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--ms", default=",".join(map(str, MS)))
     parser.add_argument("--no-sweep", action="store_true", help="time `matmul` alone (the default paths)")
+    parser.add_argument("--sweep-ms", default=",".join(map(str, SWEEP_MS)), help="token counts of the tile sweep")
     parser.add_argument("--budget-s", type=float, default=400.0, help="after this, only `matmul` is timed")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     args = parser.parse_args()
@@ -363,6 +372,7 @@ def main() -> None:
     deadline = start + args.budget_s
     specs, shapes = args.specs.split(","), args.shapes.split(",")
     ms = [int(v) for v in args.ms.split(",")]
+    globals()["SWEEP_MS"] = tuple(int(v) for v in args.sweep_ms.split(","))
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": ti.triton.__version__,
         "pdl": pdl.ENABLED, "args": vars(args), "specs": {},

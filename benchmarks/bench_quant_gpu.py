@@ -17,6 +17,8 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
   fp8            dummy bf16 weights quantized at load (`quantization="fp8"`: per-channel weight
                  scales, dynamic per-token activations; the same kernels as an FP8 checkpoint)
   fp8_offline, bf16_offline   1000 prompts x 1000 tokens in, 1000 out (`LLM.generate`)
+  fp8_offline_kv8, bf16_offline_kv8   the same with an fp8 KV cache (at this batch the KV cache's
+                 reads outweigh the weights')
 Each engine section (paphos.LLM, CUDA graphs): batch-1 decode tok/s with the GB/s of the weight
 bytes one token reads and its fraction of copy BW, batch-16 / 64 decode tok/s, pp512 tok/s,
 weight bytes on the GPU against the checkpoint's tensor bytes, the kernel summary lines the
@@ -59,7 +61,8 @@ from make_random_quant import write as write_random_quant  # noqa: E402
 from paphos import LLM  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("fixtures", "ceilings", "bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "fp8", "fp8_offline", "bf16_offline")
+SECTIONS = ("fixtures", "ceilings", "bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "fp8", "fp8_offline", "bf16_offline",
+            "fp8_offline_kv8", "bf16_offline_kv8")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 FORMATS = {"gptq": "gptq", "gptq_actorder": "gptq-actorder", "awq": "awq", "ct_w4a16": "ct-w4a16"}
 
@@ -245,6 +248,14 @@ def section_bf16_offline(bench: Bench) -> dict[str, Any]:
     return offline(bench)
 
 
+def section_fp8_offline_kv8(bench: Bench) -> dict[str, Any]:
+    return offline(bench, quantization="fp8", kv_cache_dtype="fp8")
+
+
+def section_bf16_offline_kv8(bench: Bench) -> dict[str, Any]:
+    return offline(bench, kv_cache_dtype="fp8")
+
+
 def _format_section(name: str) -> Any:
     def section(bench: Bench) -> dict[str, Any]:
         path = _checkpoint(bench, FORMATS[name])
@@ -285,7 +296,7 @@ def print_table(results: dict[str, Any]) -> None:
               f"{r['pp512']['tok_s']:8.0f} {mem['weights_GB']:7.2f} {over:>6}")  # fmt: skip
         for line in r.get("kernels", []):
             print(f"{'':16} {line}")
-    for name in ("bf16_offline", "fp8_offline"):
+    for name in ("bf16_offline", "fp8_offline", "bf16_offline_kv8", "fp8_offline_kv8"):
         if "output_tok_s" in results.get(name, {}):
             print(f"{name}: {results[name]['output_tok_s']:.0f} output tok/s ({results[name]['seconds']:.0f} s)")
 

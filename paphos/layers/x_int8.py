@@ -112,6 +112,13 @@ if triton is not None:
         q2 a, q2 b; the b words only for 4-bit codes) and f_ptr [2, n_groups] (dx, sum of the
         represented x). Shared by `quantize`'s launch and the kernels that produce x (fused.py)."""
         q1a, q1b, q2a, q2b, dx, xsum = _quantize_x(x_ptr, t, t_ok, LO, TW)
+        store_parts(q_ptr, f_ptr, t, t_ok, n_groups, q1a, q1b, q2a, q2b, dx, xsum, LO, TW)
+
+    @triton.jit
+    def store_parts(q_ptr, f_ptr, t, t_ok, n_groups, q1a, q1b, q2a, q2b, dx, xsum, LO: tl.constexpr,
+                    TW: tl.constexpr):  # fmt: skip
+        """Quantized tile groups t (`_quantize_x`'s outputs, or a kernel's own arithmetic of it) ->
+        the [4, n_groups, TW] words and [2, n_groups] floats that `load_groups` reads."""
         at = t[:, None] * TW + tl.arange(0, TW)[None, :]
         m = t_ok[:, None]
         plane = n_groups * TW

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +33,9 @@ from paphos.loader import iter_safetensors
 from paphos.models.registry import resolve_model_class
 from paphos.quant.errors import QuantConfigError
 from paphos.quant.fp8 import DEQUANTIZED, Fp8Config, Fp8LinearMethod
+from paphos.quant.kernels import split_k
 from paphos.quant.kernels.fp8 import quantize_per_tensor, quantize_per_token, reference_fp8_linear
+from tests.device_triton import TRITON_IDS, TRITONS, compile_env
 from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule
 
 FP8 = torch.float8_e4m3fn
@@ -165,6 +169,36 @@ def test_small_m_linear_matches_reference(kernel, m: int, n: int, k: int, static
         assert err <= SMALL_TOL[device] * ref.abs().max().item(), err
         if m > 2:  # the all-zero row: exactly the bias (or zero)
             assert torch.equal(y[0], torch.zeros(n, device=device) if b is None else b.float())
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_small_m_kernel_split_k(kernel, split: int) -> None:  # noqa: ANN001
+    """K split over programs (the last one of a tile sums the float32 partials, applies the
+    scales and resets its counter): the same numbers as the reference at one token and several,
+    dynamic and static activations, K with a tail."""
+    module, device = kernel
+    cfg = module.SmallMConfig(64, 64, split_k=split)
+    for m, static in ((1, False), (3, True), (20, False)):
+        x, w, ws, bias = _small_problem(m, 70, 300, m + split, device)
+        scale = (x.float().abs().max() / 896.0).reshape(1) if static else None
+        y = module.small_m_linear(x, w, ws, scale, torch.float32, bias, cfg)
+        ref = reference_fp8_linear(x, w, ws, scale, torch.float32, bias)
+        assert (y - ref).abs().max().item() <= SMALL_TOL[device] * ref.abs().max().item(), (m, static)
+        assert module.split_for(m, 70, 300, cfg) == split
+        if device == "cpu":
+            assert not split_k.counters(torch.device(device)).any()  # every counter back to zero
+
+
+def test_small_m_split_rule(kernel) -> None:  # noqa: ANN001
+    """`split_for`: the narrow Llama-3-8B layers get K slices until about two programs per SM;
+    gate|up (448 row tiles) gets none."""
+    module, _ = kernel
+    cfg = module.SmallMConfig()
+    assert module.split_for(1, 4096, 4096, cfg) == 4  # o: 64 tiles
+    assert module.split_for(1, 4096, 14336, cfg) == 4  # down
+    assert module.split_for(1, 6144, 4096, cfg) == 2  # q|k|v: 96 tiles
+    assert module.split_for(1, 28672, 4096, cfg) == 1
+    assert module.split_for(1, 4096, 512, cfg) == 1  # two K steps: no slice of one
 
 
 def test_fp8_linear_takes_the_small_m_kernel(kernel) -> None:  # noqa: ANN001
@@ -492,3 +526,42 @@ def test_ignore_lists_and_merged_layers() -> None:
         fp8.get_linear_method("lm_head") is None and Fp8Config.runtime().get_linear_method("lm_head") is None
     )
     assert fp8.get_linear_method("model.layers.0.mlp.gate_up_proj").activation == "dynamic"
+
+
+# ---------------------------------------------------------------- sm_90 compiles
+
+
+@pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
+def test_small_m_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
+    """The small-M kernel as `small_m_linear` launches it on the H200 (split-K and not): Hopper's
+    fp8 wgmma, the split's fence and atomic counter, PDL, no spills; with the installed triton and
+    the H200 image's."""
+    pytest.importorskip("triton")
+    done = subprocess.run(
+        [sys.executable, "-c", "from tests.quant.test_fp8 import compile_small_m; compile_small_m()"],
+        env=compile_env(triton_path), cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.split() == ["split:ok", "whole:ok"], done.stdout
+
+
+def compile_small_m() -> None:
+    """In a child process without the interpreter: compile `_small_m_kernel` for sm_90."""
+    from paphos.quant.kernels import fp8 as k8
+    from tests.quant.test_int_kernels import _compile
+
+    cfg = k8.DEFAULT_SMALL_M
+    for label, split in (("split", True), ("whole", False)):
+        args = {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "b_ptr": "*fp32",
+                "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}  # fmt: skip
+        ints = dict(M=1, N=4096, K=4096, stride_qm=4096, stride_wn=4096, stride_om=4096, k_per_split=1024)
+        args |= {name: "i32" for name in ints}
+        constexprs = dict(F8_MMA=True, HAS_BIAS=False, BN=cfg.block_n, BM=16, BK=cfg.block_k, EVEN_K=True,
+                          SPLIT=split, PDL=True)  # fmt: skip
+        ptx = _compile(k8._small_m_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+        assert "wgmma.mma_async" in ptx and "e4m3" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
+        assert "STACK:0 " in ptx, ptx[-300:]
+        if split:
+            assert "fence.acq_rel.gpu" in ptx and "atom.global" in ptx
+        print(f"{label}:ok", flush=True)

@@ -31,14 +31,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from paphos.quant.kernels import int_layout
+from paphos.quant.kernels import int_layout, split_k
 from paphos.quant.kernels.int_layout import IntSpec
 from tests.device_triton import TRITON_IDS, TRITONS, compile_env
 from tests.triton_interpreted import interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 _MODULE = "paphos.quant.kernels.triton_int"
-_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv")
+_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv", "paphos.quant.kernels.split_k")
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_fused_kernel_matches_reference(ti, spec: IntSpec) -> None:  # noqa: ANN
     codes, scales, zeros, perm = _layer(spec, 4)
     planes = int_layout.pack(codes, scales, zeros, spec, perm)
     gen = torch.Generator().manual_seed(5)
-    counters = ti._counters(torch.device("cpu"))
+    counters = split_k.counters(torch.device("cpu"))
     for m, cfg in ((1, ti.GemmConfig(16, 16, 64, 1)), (3, ti.GemmConfig(32, 16, 32, 3)),
                    (17, ti.GemmConfig(16, 32, 64, 2)), (70, ti.GemmConfig(32, 64, 32, 1))):  # fmt: skip
         x = torch.randn(m, spec.in_features, generator=gen).to(torch.bfloat16)
@@ -271,13 +271,15 @@ def _gemm(bits: int, zeros: bool, dtype: str, m: int) -> None:
     spec = IntSpec(bits, 128, 4096, 4096, zeros, False)
     cfg = ti.gemm_config(spec, m)
     n, k = spec.out_features, spec.in_features
+    by_bytes = bits == 4 and cfg.bytes_unpack
     args = {"x_ptr": dtype, "out_ptr": dtype, "part_ptr": "*fp32", "count_ptr": "*i32",
-            "w_ptr": "*i32", "s_ptr": dtype, "z_ptr": dtype}  # fmt: skip
-    ints = dict(M=m, N=n, K=k, stride_xm=k, stride_om=n, stride_w=k * bits // 32, group_shift=7,
-                iters_per_split=k // cfg.block_k // cfg.split_k)  # fmt: skip
+            "w_ptr": "*u8" if by_bytes else "*i32", "s_ptr": dtype, "z_ptr": dtype}  # fmt: skip
+    ints = dict(M=m, N=n, K=k, stride_xm=k, stride_om=n, stride_w=k * bits // (8 if by_bytes else 32),
+                group_shift=7, iters_per_split=k // cfg.block_k // cfg.split_k)  # fmt: skip
     args |= {name: "i32" for name in ints}
     constexprs = dict(BITS=bits, HAS_Z=zeros, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                      ONE_GROUP=True, SPLIT=cfg.split_k > 1, ASM=True, PACKED=True, PDL=True)  # fmt: skip
+                      ONE_GROUP=True, SPLIT=cfg.split_k > 1, ASM=True, PACKED=True, BYTES=by_bytes,
+                      SCALE_AFTER=by_bytes and cfg.scale_after, PDL=True)  # fmt: skip
     ptx = _compile(ti._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "wgmma.mma_async" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
     if bits == 4:
@@ -313,11 +315,10 @@ def _permute_quantize() -> None:
     from paphos.layers import x_int8
     from paphos.quant.kernels import triton_int as ti
 
-    args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "xp_ptr": "*bf16", "q_ptr": "*i32", "f_ptr": "*fp32", "K": "i32",
-            "n_groups": "i32"}  # fmt: skip
+    args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "q_ptr": "*i32", "f_ptr": "*fp32", "K": "i32", "n_groups": "i32"}
     ptx = _compile(ti._permute_quantize_kernel, args, dict(LO=4, TB=x_int8.QUANTIZE_GROUPS, PDL=True), 1,
                    dict(K=4096, n_groups=128))  # fmt: skip
-    assert "griddepcontrol.wait" in ptx and "bar.sync" in ptx and "STACK:0 " in ptx
+    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
 def _dequant(bits: int) -> None:

@@ -24,18 +24,24 @@ rounding (float32 output, K = 4096, M = 16, max |error| / max |reference|: 4.5e-
 Measured on the H200 (benchmarks/bench_fp8_gpu.py: Llama-3-8B shapes, CUDA-graph replay with
 programmatic dependent launch, weights read from memory, not L2; copy bandwidth 4.2 TB/s). At
 M = 1, us per call, bf16 F.linear / quantize + _scaled_mm / `small_m_linear` (quantize +
-`_small_m_kernel`; its bytes per second over copy bandwidth): q|k|v 16.1 / 20.6 / 12.5 (0.48),
-o 13.6 / 17.5 / 11.2 (0.36), gate|up 57.0 / 48.0 / 32.5 (0.86), down 32.6 / 47.5 / 31.0 (0.45):
-a decoder layer's four linears 1.37x bf16 (the _scaled_mm path was 0.89x), 1.31-1.35x at
-M = 2-16, 1.13x at 32 (_scaled_mm 0.95x). At M = 64 _scaled_mm is ahead (1.05x bf16 against
-1.01x); at 256 it runs 0.94-1.47x bf16 per shape.
+`_small_m_kernel`, K split by `split_for`; its bytes per second over copy bandwidth): q|k|v
+16.2 / 20.6 / 12.8 (0.47), o 13.4 / 17.2 / 10.0 (0.40), gate|up 57.3 / 48.5 / 32.1 (0.87), down
+32.1 / 49.7 / 23.0 (0.61): a decoder layer's four linears 1.53x bf16 (1.33x before the split:
+o 11.6, down 33.7 us), 1.46-1.58x at M = 2-16, 1.45x at 32 (_scaled_mm 0.85-0.98x up to 32).
+At M = 64 _scaled_mm is ahead (1.04x bf16 against 0.93x); at 256 it runs 0.94-1.47x bf16 per
+shape.
 
-What holds M = 1 back: the narrow layers run N / 64 programs (o and down 64, q|k|v 96) on 132
-multiprocessors, and x's quantization is a launch of its own. Also measured and dropped: a
-CUDA-core GEMV for M = 1 (fp8 -> fp32 conversions, x quantized inside it or before; its tiles
-spilled registers: 0.20-0.38 of copy bandwidth), 32-row tiles (Triton widens fp8 to fp16 for
-mma.sync there: 1.24-1.30x slower at M = 1) and fp16 operands at 64 rows (1.1-2.6x slower).
-`use_fast_accum` stays off: at M = 1 it gave 5e-2 relative error.
+What still holds M = 1 back: x's quantization is a launch of its own before every GEMM (128 per
+decode step), and q|k|v and o are small enough (17-25 MB) that a kernel's ramp, first loads and
+split-K epilogue are a large part of it. Also measured and dropped: the quantization as the
+kernel's prologue (each program takes the amax of the whole row and rounds its own K slice;
+1.0-1.4x slower at M = 1, up to 7.5x at M = 64: the amax and the IEEE divisions repeat in every
+program), L2 prefetches of the weights before `pdl.wait` or a few K steps ahead (0-25 % slower),
+K split towards 4 programs per SM (up to 1.27x slower), one row of x quantized over several
+programs (no change); a CUDA-core GEMV for M = 1 (fp8 -> fp32 conversions, x quantized inside
+it or before; its tiles spilled registers: 0.20-0.38 of copy bandwidth), 32-row tiles (Triton
+widens fp8 to fp16 for mma.sync there: 1.24-1.30x slower at M = 1) and fp16 operands at 64
+rows (1.1-2.6x slower). `use_fast_accum` stays off: at M = 1 it gave 5e-2 relative error.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ from paphos.layers import pdl
 try:
     import triton
     import triton.language as tl
+
+    from paphos.quant.kernels import split_k
 except ImportError:  # CPU-only installs: quantization runs in torch
     triton = None
 
@@ -160,13 +168,19 @@ if triton is not None:
 
     @triton.jit
     def _small_m_kernel(
-        q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, stride_qm, stride_wn, stride_om,
+        q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_qm, stride_wn, stride_om,
+        k_per_split,
         F8_MMA: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
-        BK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+        BK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """out^T [BN, BM] = W [BN, K] x_fp8^T [K, BM] on the tensor cores, then both scales and
         the bias: the weight is the large operand (swap-AB), so BN weight rows fill the MMA's
         M side however few the tokens (BM >= 16, rows past M load as zeros and are not stored).
+
+        Grid (N / BN, M / BM, K slices): with SPLIT each program takes k_per_split of K (a
+        multiple of BK), writes float32 partials, and the last program of a tile to finish (an
+        atomic counter it resets) sums them and applies the scales, as triton_int's fused kernel
+        does: the narrow layers (N = 4096: 64 row tiles) fill the 132 multiprocessors that way.
 
         F8_MMA: fp8 x fp8 operands as they are (BN = 64 with 4 warps is Hopper's fp8 wgmma; a
         smaller BN takes mma.sync, for which Triton widens both to fp16, exactly). Hopper's fp8
@@ -176,15 +190,20 @@ if triton is not None:
         at K = 4096. Otherwise fp32 operands (the interpreter)."""
         pdl.release(PDL)
         pdl.wait(PDL)
-        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rows = pid_n * BN + tl.arange(0, BN)
         rows_in = tl.minimum(rows, N - 1)  # rows past N read row N - 1; their results are not stored
-        ms = tl.program_id(1) * BM + tl.arange(0, BM)
+        ms = pid_m * BM + tl.arange(0, BM)
         m_ok = ms < M
         kk = tl.arange(0, BK)
         w_tile = w_ptr + rows_in.to(tl.int64)[:, None] * stride_wn + kk[None, :]
         x_tile = q_ptr + ms.to(tl.int64)[None, :] * stride_qm + kk[:, None]  # [BK, BM]: x^T
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        for k0 in range(k_lo, k_hi, BK):
             if EVEN_K:
                 w = tl.load(w_tile + k0)
                 x = tl.load(x_tile + k0, mask=m_ok[None, :], other=0.0)
@@ -197,11 +216,22 @@ if triton is not None:
             else:
                 acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
         sx = tl.load(sx_ptr + ms, mask=m_ok, other=0.0)
-        y = acc * tl.load(sw_ptr + rows_in)[:, None] * sx[None, :]
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
         out = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & m_ok[None, :])
+        mask = (rows < N)[:, None] & m_ok[None, :]
+        if SPLIT:
+            at = ms[None, :] * N + rows[:, None]  # in one [M, N] plane of float32 partials
+            last, acc = split_k.sum_slices(acc, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, at, mask,
+                                           pid_k, tl.num_programs(2), M * N, F8_MMA)  # fmt: skip
+            if last:
+                y = acc * tl.load(sw_ptr + rows_in)[:, None] * sx[None, :]
+                if HAS_BIAS:
+                    y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
+                tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            y = acc * tl.load(sw_ptr + rows_in)[:, None] * sx[None, :]
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
+            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def triton_quantize(
@@ -246,7 +276,8 @@ def quantize_per_tensor(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[tor
 
 @dataclass(frozen=True)
 class SmallMConfig:
-    """`_small_m_kernel`'s launch: weight rows and K codes per step, warps, pipeline stages.
+    """`_small_m_kernel`'s launch: weight rows and K codes per step, warps, pipeline stages, and
+    K slices (split_k 0: `split_for`'s rule, towards programs_per_sm programs per multiprocessor).
     Tokens per program: M rounded up to a power of two, 16 to 64. The default is the fastest of
     those benchmarks/bench_fp8_gpu.py measured at every M <= SMALL_M_MAX and Llama-3-8B shape."""
 
@@ -254,13 +285,29 @@ class SmallMConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 0
+    programs_per_sm: int = 2
 
 
 # Up to this many tokens fp8_linear runs `small_m_linear`; above, torch._scaled_mm (measured: at
 # M = 32 the Triton kernel is 0.84x _scaled_mm's time over a layer, at 64 1.04x).
 SMALL_M_MAX = 32
 DEFAULT_SMALL_M = SmallMConfig()
+NUM_SMS_GUESS = 132
 
+
+def split_for(m: int, n: int, k: int, cfg: SmallMConfig) -> int:
+    """K slices of `_small_m_kernel`: cfg.split_k, or doubled while the grid holds fewer than
+    cfg.programs_per_sm programs per multiprocessor and each slice keeps at least two K steps."""
+    if cfg.split_k:
+        return cfg.split_k
+    bm = min(64, max(16, triton.next_power_of_2(m)))
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, bm)
+    steps = triton.cdiv(k, cfg.block_k)
+    split = 1
+    while tiles * split * 2 <= cfg.programs_per_sm * NUM_SMS_GUESS and steps // (split * 2) >= 2:
+        split *= 2
+    return split
 
 
 def small_m_linear(
@@ -272,19 +319,30 @@ def small_m_linear(
     bias: torch.Tensor | None = None,
     cfg: SmallMConfig = DEFAULT_SMALL_M,
 ) -> torch.Tensor:
-    """fp8_linear's Triton side for x [M, K]: `triton_quantize`, then `_small_m_kernel`
-    (any M; BM tokens per program, BM = M rounded up to a power of two, 16 to 64). CUDA, or
-    CPU tensors under TRITON_INTERPRET=1."""
+    """fp8_linear's Triton side for x [M, K]: `triton_quantize`, then `_small_m_kernel` (any M;
+    BM tokens per program, BM = M rounded up to a power of two, 16 to 64; K split by
+    `split_for`). CUDA, or CPU tensors under TRITON_INTERPRET=1."""
     q, scale = _quantize(x, input_scale)
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
     bm = min(64, max(16, triton.next_power_of_2(m)))
-    _small_m_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))](
-        q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, m, n, k, q.stride(0),
-        weight.stride(0), out.stride(0),
+    split = split_for(m, n, k, cfg)
+    per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), triton.cdiv(k, per_split))
+    use_split = grid[2] > 1 and grid[0] * grid[1] <= split_k.COUNTERS and grid[2] * m * n < 1 << 31
+    if not use_split:
+        per_split, grid = k, (grid[0], grid[1], 1)
+    partials = torch.empty((grid[2] if use_split else 1, m, n), dtype=torch.float32, device=x.device)
+    counters = split_k.counters(x.device) if use_split else partials
+    _small_m_kernel[grid](
+        q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, partials, counters, m, n, k,
+        q.stride(0), weight.stride(0), out.stride(0), per_split,
         F8_MMA=x.is_cuda, HAS_BIAS=bias is not None, BN=cfg.block_n, BM=bm, BK=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
+        EVEN_K=k % cfg.block_k == 0, SPLIT=use_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.options(x),
     )  # fmt: skip
     return out
 

@@ -8,28 +8,37 @@ calls `matmul(x, planes, spec)` for every forward; by the number of tokens M:
     (paphos/layers/x_int8.py: about 15 bits of x), in the layout the GGUF GEMV reads for 4-bit
     and 8-bit codes, so x's producer can write it (`int8_layout`; x_int8.attached). Scales and
     zero points apply once per tile group: s * (sum(code * x) - zero * sum(x)). With act-order,
-    `_permute_quantize_kernel` gathers x[:, perm] and quantizes it in the same launch.
+    `_permute_quantize_kernel` gathers x[:, perm] straight into registers and quantizes it in
+    the same launch (one launch per layer and step; without act-order x's producer writes them).
   - M <= FUSED_MAX_TOKENS: `_gemm_kernel`, dequantization fused with `tl.dot` (tensor cores,
-    wgmma) on out^T = W x^T, so the weights are the large operand. 4-bit codes become 16-bit
-    floats two at a time without integer-to-float conversions: a code OR-ed into 128.0 (bf16
-    0x4300; fp16 1024.0, 0x6400) is 128 + code exactly; one packed subtraction of 128 + zero
-    and one packed multiplication by the scale give (code - zero) * scale rounded once
-    (`_nibbles`, inline PTX; 5-12 % faster than float32 math on the H200). Split-K programs
-    write float32 partials and the last one to finish a tile (an atomic counter it resets) sums
-    them: no memset, no cast launch. With act-order x is gathered by one launch first.
+    wgmma) on out^T = W x^T, so the weights are the large operand. 4-bit codes are read as bytes
+    and become 16-bit floats without integer-to-float conversions (`_bytes4`, inline PTX on
+    four bytes at a time): PRMT spreads two bytes into the halves of a register, a code OR-ed
+    into 128.0 (bf16 0x4300; fp16 1024.0, 0x6400) is 128 + code exactly, one packed subtraction
+    of 128 + zero gives code - zero exactly; the scale multiplies the float32 product of a K step
+    that lies in one group (`SCALE_AFTER`), else once per value in 16-bit (`_tile4`): 12
+    instructions per 8 codes, about 4 per code in the loop (the nibble-wise `_nibbles` path
+    that multiplied by the scale first took 6.6). Split-K programs write float32 partials and
+    the last one to finish a tile (an atomic counter it resets) sums them: no memset, no cast
+    launch. `gemm_config` picks tiles, warps and K slices per shape. With act-order x is
+    gathered by one launch first.
   - above: `_dequant_kernel` writes the weights in x's dtype into the scratch buffer shared with
     the GGUF family (triton_gguf.scratch), then cuBLAS (F.linear; x gathered by perm first).
 Every kernel is CUDA-graph safe (no host syncs; buffers sized by shapes only); the decode-path
 kernels use programmatic dependent launch (paphos/layers/pdl.py).
 
 Measured on the H200 (benchmarks/bench_int_gpu.py; a Llama-3-8B layer's q|k|v, o, gate|up and
-down summed; CUDA-graph replays, weights read from memory; 4-bit groups of 128): batch 1 43.7 us
-against bf16 cuBLAS 119.6 (2.74 x; 38.8 us = 3.09 x when x's producer writes its int8 parts,
-gate|up at 82 % of copy bandwidth), act-order the same; 8-bit per-channel 1.94 x. Two tokens
-1.10 x. From 4 to 64 tokens the fused kernel reaches only 13-22 % of copy bandwidth
-(0.6-0.87 x bf16): it is latency-bound (about 6.5 instructions and a smem round trip per code
-in Triton's lowering of the dequantized operand, few bytes in flight per SM). 512 / 2048
-tokens: 1.51 / 1.15 x bf16's time (the dequantization's write and re-read of bf16 weights).
+down summed; CUDA-graph replays, weights read from memory; 4-bit groups of 128, symmetric):
+batch 1 43.2 us against bf16 cuBLAS 116.6 (2.70 x; 38.7 us = 3.2 x when x's producer writes
+its int8 parts, gate|up at 78-82 % of copy bandwidth, q|k|v / down 55-63 %, o 41-49 %: too few
+programs), act-order the same; asymmetric 2.46 x. 16 tokens: 94.2 us against 117.8 (1.25 x;
+the fused kernel before the byte unpacking and the per-shape rule: 142.5 us, 0.84 x), 64
+tokens 0.96 x (0.61 x before). The fused kernel still streams only 18-34 % of copy bandwidth
+at 16 tokens (gate|up best): neither more pipeline stages, nor 128-row tiles, nor L2
+prefetches issued steps ahead or before `pdl.wait` moved it (measured and dropped), so it is
+bound inside the multiprocessor (Triton's per-step barriers, the shared-memory round trip of
+the dequantized tile, the wgmma wait), not by memory latency. 512 / 2048 tokens: 1.51 / 1.15 x
+bf16's time (the dequantization's write and re-read of bf16 weights).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ try:
     import triton.language as tl
 
     from paphos.quant.gguf import triton_gemv, triton_gguf
+    from paphos.quant.kernels import split_k
 except ImportError:  # CPU-only installs: the torch reference serves
     triton = None
 
@@ -84,6 +94,81 @@ if triton is not None:
                 )  # fmt: skip
         else:
             return ((src & 0xF).to(tl.float32) - zero) * scale
+
+    @triton.jit
+    def _bytes4(b, zm, sc, FP16: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr):
+        """Bytes of 4-bit codes b (uint8, any shape) -> (lo, hi): the code in each byte's low and
+        high nibble, minus its zero point (zm: 128 + zero on the GPU, the zero itself in the
+        interpreter), times sc if SCALED. GPU (ASM): 16-bit floats, four bytes (one register) per
+        asm instance: PRMT puts bytes 0 / 1 (2 / 3) into the two halves, LOP3 ORs their nibble
+        into 128.0 (bf16 0x4300; fp16 1024.0, 0x6400) = 128 + code exactly, one packed
+        subtraction makes code - zero (exact), one packed multiplication by the scale rounds it
+        once: 12 (16 SCALED) instructions per 8 codes. Output element j comes from input byte j
+        whichever bytes Triton packs together. Interpreter: float32."""
+        if ASM:
+            dt = tl.float16 if FP16 else tl.bfloat16
+            magic: tl.constexpr = "0x64006400" if FP16 else "0x43004300"
+            op: tl.constexpr = "f16x2" if FP16 else "bf16x2"
+            body: tl.constexpr = (
+                "prmt.b32 a, $4, $4, 0x1100; prmt.b32 b, $4, $4, 0x3322; "
+                "lop3.b32 $0, a, 0x000F000F, " + magic + ", 0xEA; lop3.b32 $1, b, 0x000F000F, " + magic + ", 0xEA; "
+                "shr.u32 a, a, 4; shr.u32 b, b, 4; "
+                "lop3.b32 $2, a, 0x000F000F, " + magic + ", 0xEA; lop3.b32 $3, b, 0x000F000F, " + magic + ", 0xEA; "
+                "sub.rn." + op + " $0, $0, $5; sub.rn." + op + " $1, $1, $6; "
+                "sub.rn." + op + " $2, $2, $5; sub.rn." + op + " $3, $3, $6; "
+            )  # fmt: skip
+            if SCALED:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b; " + body + "mul.rn." + op + " $0, $0, $7; mul.rn." + op + " $1, $1, $8; "
+                    "mul.rn." + op + " $2, $2, $7; mul.rn." + op + " $3, $3, $8; }",
+                    "=r,=r,=r,=r,r,r,r,r,r", [b, zm.to(dt), sc.to(dt)], dtype=(dt, dt), is_pure=True, pack=4,
+                )  # fmt: skip
+            else:
+                return tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b; " + body + "}", "=r,=r,=r,=r,r,r,r", [b, zm.to(dt)], dtype=(dt, dt),
+                    is_pure=True, pack=4,
+                )  # fmt: skip
+        else:
+            lo = (b & 0xF).to(tl.float32) - zm
+            hi = ((b >> 4) & 0xF).to(tl.float32) - zm
+            if SCALED:
+                lo = lo * sc
+                hi = hi * sc
+            return lo, hi
+
+    @triton.jit
+    def _tile4(
+        wb_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_wb, group_shift,
+        HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_GROUP: tl.constexpr, FP16: tl.constexpr,
+        ASM: tl.constexpr, SCALED: tl.constexpr,
+    ):  # fmt: skip
+        """4-bit weights [BN, BK] of rows `rows`, K values k0 .. k0 + BK in K order, read as bytes
+        (wb_ptr: the qweight plane as uint8, stride_wb bytes per row; one 16-byte load per row
+        and tile group): (code - zero), times the scale if SCALED (else the caller scales the
+        product: ONE_GROUP required), through `_bytes4`. Byte 4w + b of a tile group holds codes
+        2b (low nibble) and 2b + 1 of word w, values p * 4 + w of the group: joined, reshaped and
+        permuted into K order (one layout conversion, which the dot operand needs anyway)."""
+        T: tl.constexpr = BK // 32
+        c = tl.arange(0, BK // 2)  # byte c of the tile's row: tile group c // 16
+        b = tl.load(wb_ptr + rows.to(tl.int64)[:, None] * stride_wb + (k0 // 2 + c)[None, :], mask=row_ok[:, None],
+                    other=0)  # fmt: skip
+        if ONE_GROUP:
+            at = (k0 >> group_shift).to(tl.int64) * N + rows
+            scale = tl.load(s_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None]
+            if HAS_Z:
+                zero = tl.load(z_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None]
+        else:
+            at = ((k0 + c * 2) >> group_shift).to(tl.int64)[None, :] * N + rows[:, None]
+            scale = tl.load(s_ptr + at, mask=row_ok[:, None], other=0).to(tl.float32)
+            if HAS_Z:
+                zero = tl.load(z_ptr + at, mask=row_ok[:, None], other=0).to(tl.float32)
+        if not HAS_Z:
+            zero = tl.full(scale.shape, 8.0, tl.float32)
+        if ASM:
+            zero = zero + (1024.0 if FP16 else 128.0)
+        lo, hi = _bytes4(b, zero, scale, FP16, ASM, SCALED)  # [BN, BK / 2] each
+        v = tl.reshape(tl.join(lo, hi), (BN, T, 4, 8))  # [BN, T, w, p]
+        return tl.reshape(tl.permute(v, (0, 1, 3, 2)), (BN, BK))
 
     @triton.jit
     def _dequant_tile(
@@ -133,11 +218,13 @@ if triton is not None:
         stride_w, group_shift, iters_per_split,
         BITS: tl.constexpr, HAS_Z: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, ONE_GROUP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr,
-        PDL: tl.constexpr,
+        BYTES: tl.constexpr, SCALE_AFTER: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x [M, K] W^T for BN rows and BM tokens per program, a slice of K per
         program along grid axis 1 (SPLIT: more than one slice; the last program of a tile to
-        finish sums the float32 partials)."""
+        finish sums the float32 partials). BYTES (4-bit): the weights through `_tile4` (w_ptr
+        the plane as bytes, stride_w in bytes); SCALE_AFTER (BYTES and ONE_GROUP): the tile's
+        product with x is taken on (code - zero) and scaled per row after the dot, in float32."""
         pdl.release(PDL)
         pdl.wait(PDL)
         pid_n = tl.program_id(0)
@@ -146,46 +233,42 @@ if triton is not None:
         FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
         rows = pid_n * BN + tl.arange(0, BN)
         row_ok = rows < N
-        ms = pid_m * BM + tl.arange(0, BM)
-        m_ok = ms < M
         it0 = pid_k * iters_per_split
         it1 = tl.minimum(it0 + iters_per_split, K // BK)
+        ms = pid_m * BM + tl.arange(0, BM)
+        m_ok = ms < M
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         x_rows = x_ptr + ms.to(tl.int64)[None, :] * stride_xm
+        if SCALE_AFTER:
+            s_next = tl.load(s_ptr + ((it0 * BK) >> group_shift).to(tl.int64) * N + rows, mask=row_ok, other=0)
         for it in range(it0, it1):
             k0 = it * BK
-            w = _dequant_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, BITS, HAS_Z, BN, BK,
-                              ONE_GROUP, FP16, ASM, PACKED)  # fmt: skip
+            if BYTES:
+                w = _tile4(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, HAS_Z, BN, BK, ONE_GROUP,
+                           FP16, ASM, not SCALE_AFTER)  # fmt: skip
+            else:
+                w = _dequant_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, BITS, HAS_Z, BN,
+                                  BK, ONE_GROUP, FP16, ASM, PACKED)  # fmt: skip
             x = tl.load(x_rows + (k0 + tl.arange(0, BK))[:, None], mask=m_ok[None, :], other=0.0)  # [BK, BM]
-            if ASM:
+            if not ASM:  # the interpreter multiplies bf16 as raw integers: float32 operands
+                x = x.to(tl.float32)
+            if SCALE_AFTER:  # this step's scales were loaded a step ahead (not a dot operand: not pipelined)
+                s_cur = s_next
+                k1 = tl.minimum(it + 1, it1 - 1) * BK
+                s_next = tl.load(s_ptr + (k1 >> group_shift).to(tl.int64) * N + rows, mask=row_ok, other=0)
+                acc += tl.dot(w, x) * s_cur.to(tl.float32)[:, None]
+            else:
                 acc = tl.dot(w, x, acc)
-            else:  # the interpreter multiplies bf16 as raw integers: float32 operands
-                acc = tl.dot(w, x.to(tl.float32), acc)
         mask = row_ok[:, None] & m_ok[None, :]
         o = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
         if SPLIT:
-            tile = pid_m * tl.num_programs(0) + pid_n
             at = ms[None, :] * N + rows[:, None]  # in one [M, N] plane of float32 partials
-            tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
-            _fence(ASM)  # every thread's partial is visible GPU-wide before the count says so
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(1) - 1:  # the last slice of this tile
-                _fence(ASM)
-                total = tl.zeros((BN, BM), dtype=tl.float32)
-                for s in range(0, tl.num_programs(1)):
-                    total += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+            last, total = split_k.sum_slices(acc, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, at, mask,
+                                             pid_k, tl.num_programs(1), M * N, ASM)  # fmt: skip
+            if last:
                 tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
         else:
             tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _fence(ASM: tl.constexpr):
-        """A GPU-scope memory fence in every thread (the interpreter runs programs one by one)."""
-        if ASM:
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                      pack=1)  # fmt: skip
 
     @triton.jit
     def _dequant_kernel(
@@ -282,22 +365,47 @@ if triton is not None:
 
     @triton.jit
     def _permute_quantize_kernel(
-        x_ptr, perm_ptr, xp_ptr, q_ptr, f_ptr, K, n_groups,
+        x_ptr, perm_ptr, q_ptr, f_ptr, K, n_groups,
         LO: tl.constexpr, TB: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """x[:, perm] of every token (x [M, K] flat) into xp, then its int8 parts
-        (x_int8.store_groups), TB tile groups per program: each program quantizes the values it
-        gathered itself (a barrier between)."""
+        """x[:, perm] of every token (x [M, K] flat; tile group t of token m is group m * K / TV
+        + t of the flat vector) quantized into its int8 parts, TB tile groups per program, one
+        per lane: the values are gathered straight into registers ([TB, TW, PER]: code p of
+        word w), the arithmetic is x_int8's `_quantize_x` (the GEMV reads what
+        `x_int8.quantize` would write for x[:, perm], up to the summation order of sum(x))."""
         pdl.release(PDL)
-        pdl.wait(PDL)
-        TV: tl.constexpr = _TW * 32 // LO
-        k = tl.program_id(0) * (TB * TV) + tl.arange(0, TB * TV)
-        ok = k < n_groups * TV
-        src = (k // K) * K + tl.load(perm_ptr + k % K, mask=ok, other=0)
-        tl.store(xp_ptr + k, tl.load(x_ptr + src, mask=ok, other=0.0), mask=ok)
-        tl.debug_barrier()
+        PER: tl.constexpr = 32 // LO
         t = tl.program_id(0) * TB + tl.arange(0, TB)
-        x_int8.store_groups(xp_ptr, q_ptr, f_ptr, t, t < n_groups, n_groups, LO, _TW)
+        t_ok = t < n_groups
+        p = tl.arange(0, PER)[None, None, :]
+        xk = (t * (_TW * PER))[:, None, None] + tl.arange(0, _TW)[None, :, None] + p * _TW  # flat index
+        m3 = t_ok[:, None, None]
+        cols = tl.load(perm_ptr + xk % K, mask=m3, other=0)  # perm is static: loaded before the wait
+        pdl.wait(PDL)
+        v = tl.load(x_ptr + (xk // K) * K + cols, mask=m3, other=0).to(tl.float32)
+        amax_t = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
+        v = v * tl.where(amax_t > 0, 127.0 / amax_t, 0.0)[:, None, None]
+        f1 = v + 12582912.0  # v + 1.5 * 2**23: the float's low byte is round(v), two's complement
+        r1 = f1 - 12582912.0
+        f2 = (v - r1) * 254.0 + 12582912.0
+        sum1 = tl.sum(tl.sum(r1, axis=2), axis=1)
+        sum2 = tl.sum(tl.sum(f2 - 12582912.0, axis=2), axis=1)
+        b1 = f1.to(tl.int32, bitcast=True) & 0xFF
+        b2 = f2.to(tl.int32, bitcast=True) & 0xFF
+        # the bytes go to disjoint bits of a word: summing them is OR-ing them
+        if LO == 8:
+            q1a = tl.sum(b1 << (8 * p), axis=2)
+            q2a = tl.sum(b2 << (8 * p), axis=2)
+            q1b, q2b = q1a, q2a
+        else:
+            odd = (p % 2) == 1
+            q1a = tl.sum(tl.where(odd, 0, b1 << (8 * (p // 2))), axis=2)
+            q2a = tl.sum(tl.where(odd, 0, b2 << (8 * (p // 2))), axis=2)
+            q1b = tl.sum(tl.where(odd, b1 << (8 * (p // 2)), 0), axis=2)
+            q2b = tl.sum(tl.where(odd, b2 << (8 * (p // 2)), 0), axis=2)
+        dx = amax_t * (1.0 / 127.0)
+        xsum = (sum1 + sum2 * (1.0 / 254.0)) * dx
+        x_int8.store_parts(q_ptr, f_ptr, t, t_ok, n_groups, q1a, q1b, q2a, q2b, dx, xsum, LO, _TW)
 
 
 # ---------------------------------------------------------------------------- launch configuration
@@ -314,6 +422,8 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     packed_math: bool = True  # 4-bit codes through packed 16-bit PTX (False: float32 math)
+    bytes_unpack: bool = True  # 4-bit: `_tile4` (bytes, 12-16 instructions per 8 codes) over `_nibbles`
+    scale_after: bool = True  # with bytes_unpack, where a K step lies in one group: scale after the dot
 
 
 @dataclass(frozen=True)
@@ -333,7 +443,6 @@ GEMV_MAX_TOKENS = 2
 # H200 crossover on a Llama-3-8B layer's four linears (bench_int_gpu.py).
 FUSED_MAX_TOKENS = {4: 128, 8: 64}
 NUM_SMS_GUESS = 132
-COUNTERS = 1 << 16  # split-K tile counters per device (zero between launches)
 
 
 def supports(spec: IntSpec, device: torch.device, dtype: torch.dtype) -> bool:
@@ -369,18 +478,42 @@ def group_shift(spec: IntSpec) -> int:
 
 def gemm_config(spec: IntSpec, m: int) -> GemmConfig:
     """`_gemm_kernel`'s launch at M tokens, by the rule the H200 sweep's winners on the Llama-3-8B
-    shapes follow (bench_int_gpu.py): tokens padded to a power of two >= 16 (at most 128), 64 rows
-    and 128 K values per step, K split until the grid holds 4 programs per SM (2 from 64 tokens
-    per tile), each slice at least 4 steps."""
+    shapes follow (bench_int_gpu.py, 4-bit groups of 128; tokens padded to a power of two >= 16):
+      - up to 32 tokens, 4-bit: rows longer than 8192 (down): 64 rows x 64 K values per step, 4
+        stages, K split while the grid stays within 8 programs per SM; 16384 rows or more
+        (gate|up): 64 x 128, split until it holds 4 per SM; else (q|k|v, o): 128 x 128, split
+        while it stays within 3 per SM, on 8 warps where it holds at most 2 per SM (o), else 4;
+      - 64 tokens, 4-bit: 64 x 64 per step, 4 stages, K split while the grid stays within 4
+        programs per SM;
+      - otherwise (8-bit, 128 tokens): 64 x 128, split towards 4 programs per SM (2 from 64 tokens).
+    Each K slice keeps at least two steps (four for the last rule)."""
     bm = min(128, max(16, triton.next_power_of_2(m)))
-    bn, bk = 64, fit_block_k(128, spec)
-    n_iters = spec.in_features // bk
-    tiles = math.ceil(spec.out_features / bn) * math.ceil(m / bm)
-    target = (4 if bm <= 32 else 2) * NUM_SMS_GUESS
-    split = 1
-    while tiles * split < target and n_iters // (split * 2) >= 4:
-        split *= 2
-    return GemmConfig(bn, bm, bk, split, 4, 3)
+    n, k = spec.out_features, spec.in_features
+    m_tiles = math.ceil(m / bm)
+
+    def split_to(bn: int, bk: int, target: float, within: bool, min_steps: int) -> int:
+        tiles, steps, split = math.ceil(n / bn) * m_tiles, k // bk, 1
+        while steps // (split * 2) >= min_steps and (
+            tiles * split * 2 <= target * NUM_SMS_GUESS if within else tiles * split < target * NUM_SMS_GUESS
+        ):
+            split *= 2
+        return split
+
+    if spec.bits == 4 and bm <= 32:
+        if k > 8192:
+            bk = fit_block_k(64, spec)
+            return GemmConfig(64, bm, bk, split_to(64, bk, 8, True, 2), 4, 4)
+        bk = fit_block_k(128, spec)
+        if n >= 16384:
+            return GemmConfig(64, bm, bk, split_to(64, bk, 4, False, 2), 4, 3)
+        split = split_to(128, bk, 3, True, 2)
+        warps = 8 if math.ceil(n / 128) * m_tiles * split <= 2 * NUM_SMS_GUESS else 4
+        return GemmConfig(128, bm, bk, split, warps, 3)
+    if spec.bits == 4 and bm == 64:
+        bk = fit_block_k(64, spec)
+        return GemmConfig(64, bm, bk, split_to(64, bk, 4, True, 2), 4, 4)
+    bk = fit_block_k(128, spec)
+    return GemmConfig(64, bm, bk, split_to(64, bk, 4 if bm <= 32 else 2, False, 4), 4, 3)
 
 
 def gemv_config(spec: IntSpec, m: int = 1) -> GemvConfig:
@@ -399,16 +532,6 @@ def gemv_config(spec: IntSpec, m: int = 1) -> GemvConfig:
 
 # ---------------------------------------------------------------------------- launches
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The split-K tile counters (zero between launches: the last program of a tile resets its
-    own). Made on first use, which the engine's eager warm-up runs before graph capture."""
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        _COUNTERS[device] = buf = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return buf
 
 
 def _zeros_plane(planes: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -438,18 +561,23 @@ def gemm(
     splits = math.ceil(n_iters / per_split)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))
     # float32 partials [splits, M, N] indexed in int32
-    split = splits > 1 and grid[0] * grid[2] <= COUNTERS and splits * m * n < 1 << 31
+    split = splits > 1 and grid[0] * grid[2] <= split_k.COUNTERS and splits * m * n < 1 << 31
     if not split:
         per_split, grid = n_iters, (grid[0], 1, grid[2])
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(grid[1] if split else 1, m, n, dtype=torch.float32, device=x.device)
-    counters = _counters(x.device) if split else partials
+    counters = split_k.counters(x.device) if split else partials
     w = planes["qweight"]
+    one_group = bk <= spec.group_size
+    by_bytes = spec.bits == 4 and cfg.bytes_unpack
+    if by_bytes:
+        w = w.view(torch.uint8)
     _gemm_kernel[grid](
         x, out, partials, counters, w, planes["scales"], _zeros_plane(planes), m, n, k,
         x.stride(0), out.stride(0), w.stride(0), group_shift(spec), per_split,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BM=cfg.block_m, BN=cfg.block_n, BK=bk,
-        ONE_GROUP=bk <= spec.group_size, SPLIT=split, ASM=_asm(x), PACKED=cfg.packed_math,
+        ONE_GROUP=one_group, SPLIT=split, ASM=_asm(x), PACKED=cfg.packed_math, BYTES=by_bytes,
+        SCALE_AFTER=by_bytes and one_group and cfg.scale_after,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
     )  # fmt: skip
     return out
@@ -465,9 +593,8 @@ def quantize_x(x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec) 
         return (x_int8.attached(x, layout) if x.shape[0] == 1 else None) or x_int8.quantize(flat, layout)
     parts = x_int8.empty(flat, layout)
     n_groups = parts.scales.shape[1]
-    xp = torch.empty_like(flat)
     _permute_quantize_kernel[(triton.cdiv(n_groups, x_int8.QUANTIZE_GROUPS),)](
-        flat, planes["perm"], xp, parts.words, parts.scales, spec.in_features, n_groups, LO=spec.bits,
+        flat, planes["perm"], parts.words, parts.scales, spec.in_features, n_groups, LO=spec.bits,
         TB=x_int8.QUANTIZE_GROUPS, num_warps=1, **pdl.options(x),
     )  # fmt: skip
     return parts

@@ -1,0 +1,55 @@
+"""Split-K for the small-M Triton matmuls (triton_int.py, fp8.py): the K slices of one output tile
+run in separate programs (more programs than a narrow layer's tiles alone give 132 SMs); each
+stores its float32 partial, and the last one to finish (an atomic count per tile) sums them. No
+second launch, and that last program resets the tile's count, so the launch replays from a CUDA
+graph."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+COUNTERS = 1 << 16  # tile counters per device, zero between launches: the most tiles one launch splits
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The tile counters of `device`, shared by every split launch (they run one after another on
+    the step's stream, and each leaves its counters at zero). Made on first use, which the engine's
+    eager warm-up runs before graph capture."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        _COUNTERS[device] = buf = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+if triton is not None:
+
+    @triton.jit
+    def fence(ASM: tl.constexpr):
+        """A GPU-scope memory fence in every thread (the interpreter runs programs one by one)."""
+        if ASM:
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)  # fmt: skip
+
+    @triton.jit
+    def sum_slices(acc, part_ptr, count_ptr, tile, at, mask, slice_id, slices, plane, ASM: tl.constexpr):
+        """Stores this program's partial `acc` at part_ptr[slice_id * plane + at] -> (whether this
+        program finished the tile last; then the sum of every slice's partial, else zeros)."""
+        tl.store(part_ptr + slice_id * plane + at, acc, mask=mask)
+        fence(ASM)  # every thread's partial is visible GPU-wide before the count says so
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = done == slices - 1
+        total = tl.zeros_like(acc)
+        if last:
+            fence(ASM)
+            for s in range(0, slices):
+                total += tl.load(part_ptr + s * plane + at, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+        return last, total
