@@ -149,7 +149,8 @@ class ModelRunner:
         if self.compiled_decode is not None and every_row_samples and self.compiled_decode.can_run(md):
             return None, self.compiled_decode.run(inputs.input_ids, inputs.positions, md)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
-        logits = self.model.compute_logits(hidden[inputs.sampling_rows]) if inputs.sampling_reqs else None
+        head = self.compiled_decode.logits if self.compiled_decode is not None else self.model.compute_logits
+        logits = head(hidden[inputs.sampling_rows]) if inputs.sampling_reqs else None
         return hidden, logits
 
     def _seed(self, state: RequestState) -> int:

@@ -56,6 +56,15 @@ def test_compiled_decode_gives_the_eager_tokens_and_logprobs(tiny_model, compile
         return graphs(*args)
 
     runner.compiled_decode._compiled = counting
+    head_calls = 0
+    head = runner.compiled_decode._head
+
+    def counting_head(hidden):
+        nonlocal head_calls
+        head_calls += 1
+        return head(hidden)
+
+    runner.compiled_decode._head = counting_head
     eager = LLM(str(path), enforce_eager=True, **common)
     assert eager.engine.runner.compiled_decode is None
 
@@ -67,6 +76,7 @@ def test_compiled_decode_gives_the_eager_tokens_and_logprobs(tiny_model, compile
             assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 1e-4
     # 23 decode steps per request alone, then 23 for the batch: every one ran on a graph.
     assert graph_calls == 23 * (len(prompts) + 1)
+    assert head_calls > graph_calls  # prefill steps' sampling rows take the head's graphs too
     assert not runner.compiled_decode._failed_once
 
 
