@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -125,24 +126,27 @@ class CompiledDecode:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Logits [B, vocab] of a decode-only batch."""
         args = self._inputs(input_ids, positions, metadata.slot_mapping, metadata.block_tables, metadata.seq_lens)
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - any failure of the compiled path falls back to eager
-            if not self._failed_once:
-                logger.warning("compiled decode step not used for a batch of %d (%s): running it eagerly",
-                               input_ids.shape[0], str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
-                self._failed_once = True
-            return self._forward(*args)
+        return self._graph_or_eager(self._compiled, self._forward, *args)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's graphs on the sampling rows of any step (a prefill step's too: an int8 head
         dequantized per call eagerly costs ~35 ms on the default model, its graph 1.4 ms)."""
+        return self._graph_or_eager(self._head, self.model.compute_logits, hidden)
+
+    def _graph_or_eager(
+        self, graph: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor], *args: torch.Tensor
+    ) -> torch.Tensor:
+        """graph(*args) if the compiled graphs take these inputs as they are, else eager(*args)
+        (never a compile in the middle of serving; the first fallback is logged)."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._head(hidden)
-        except Exception:  # noqa: BLE001 - as in `run`: fall back to eager
-            return self.model.compute_logits(hidden)
+                return graph(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure of the compiled path falls back to eager
+            if not self._failed_once:
+                logger.warning("compiled CPU graph not used for a batch of %d (%s): running it eagerly",
+                               args[0].shape[0], str(exc).splitlines()[0] if str(exc) else type(exc).__name__)  # fmt: skip
+                self._failed_once = True
+            return eager(*args)
 
     @staticmethod
     def _inputs(
