@@ -21,6 +21,10 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 # unquantized one (quantized at load); the *_marlin names are Aphrodite's for the same checkpoints
 # (paphos/quant/registry.py reconciles them at load).
 QUANTIZATIONS = ("gguf", "gptq", "gptq_marlin", "marlin", "awq", "awq_marlin", "compressed-tensors", "fp8", "exl2")
+# --max-lora-rank values (Aphrodite's list): slot tensors are padded to this rank.
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+# --lora-dtype: auto = the model's dtype; float32 is ours (exact CPU parity runs).
+LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 class ConfigError(ValueError):
@@ -196,6 +200,54 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    """One `--lora-modules` entry: an adapter registered at start-up."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    # Adapters resident on the device at once: the most distinct adapters one step may use.
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # Adapters kept in host memory (LRU); None = max_loras.
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False
+    lora_modules: tuple[LoRAModule, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ConfigError(
+                f"--max-lora-rank must be one of {', '.join(map(str, LORA_RANKS))}, got {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})"
+            )
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ConfigError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
+        if self.fully_sharded_loras:
+            raise ConfigError("--fully-sharded-loras needs tensor parallelism, which is not supported yet")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        names = [m.name for m in self.lora_modules]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ConfigError(f"--lora-modules: the name {duplicate!r} is given twice")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 2242
@@ -265,6 +317,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """The config once the model's context length is known (resolved by the loader)."""
