@@ -23,10 +23,14 @@ from paphos.config import (
     GGUF_NUMERICS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    LORA_DTYPES,
+    LORA_RANKS,
     QUANTIZATIONS,
     CacheConfig,
     ConfigError,
     EngineConfig,
+    LoRAConfig,
+    LoRAModule,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -38,7 +42,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "APHRODITE_API_KEY"
 ADMIN_KEY_ENV = "APHRODITE_ADMIN_KEY"
 # Flags taking several values: a YAML file may give one as a plain string.
-_LIST_DESTS = frozenset({"served_model_name", "api_keys"})
+_LIST_DESTS = frozenset({"served_model_name", "api_keys", "lora_modules"})
 _SUFFIXES = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
 
 
@@ -219,6 +223,42 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
               "without: max(max-model-len, 2048))")
     _add(sched, "--enable-chunked-prefill", type=parse_bool, nargs="?", const=True, default=True, metavar="BOOL",
          help="split long prompts over several steps (default true)")
+    lora = parser.add_argument_group("LoRA adapters")
+    _add(lora, "--enable-lora", action="store_true",
+         help="serve LoRA adapters, chosen per request by `model` (Kobold: `lora`)")
+    _add(lora, "--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+         help='adapters to load at start: name=path or JSON {"name": ..., "path": ..., "base_model_name": ...}; '
+              "a path may be a PEFT directory or a Hugging Face repo id")
+    _add(lora, "--max-loras", type=int, default=1, metavar="N",
+         help="adapters resident on the device at once: the most distinct adapters in one step (default 1)")
+    _add(lora, "--max-lora-rank", type=int, default=16, metavar="R",
+         help=f"largest adapter rank accepted: {', '.join(map(str, LORA_RANKS))} (default 16)")
+    _add(lora, "--max-cpu-loras", type=int, default=None, metavar="N",
+         help="adapters kept in host memory, least recently used evicted (default: --max-loras)")
+    _add(lora, "--lora-dtype", default="auto", choices=LORA_DTYPES,
+         help="dtype of adapter weights (default auto: the model's)")
+    _add(lora, "--fully-sharded-loras", action="store_true",
+         help="shard adapters over tensor-parallel ranks (needs tensor parallelism; refused today)")
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """`name=path` or a JSON object with name, path and optionally base_model_name."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--lora-modules: invalid JSON {text!r}: {exc.msg}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(data.get("path"), str):
+            raise ConfigError(f"--lora-modules: a JSON entry needs string fields name and path, got {text!r}")
+        unknown = set(data) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise ConfigError(f"--lora-modules: unknown field(s) {', '.join(sorted(unknown))} in {text!r}")
+        return LoRAModule(data["name"], data["path"], data.get("base_model_name"))
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora-modules: expected name=path or a JSON object, got {text!r}")
+    return LoRAModule(name, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,7 +379,13 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         max_num_waiting=None if args.max_num_waiting == -1 else args.max_num_waiting,
         request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout,
     )
-    return EngineConfig(model=model_config, cache=cache, scheduler=scheduler), server
+    lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules or ())
+    lora = LoRAConfig(
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype, fully_sharded_loras=args.fully_sharded_loras,
+        lora_modules=lora_modules,
+    )
+    return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, lora=lora), server
 
 
 def _interrupt(signum: int, frame: object) -> None:

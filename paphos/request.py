@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import time
 
-from paphos.core.protocol import SamplingInputs
+from paphos.core.protocol import LoRARequest, SamplingInputs
 from paphos.sampling_params import SamplingParams
 
 
@@ -47,6 +47,7 @@ class Request:
         arrival_time: float | None = None,
         sampling_inputs: SamplingInputs | None = None,
         extra_eos_token_ids: tuple[int, ...] = (),
+        lora: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: the prompt is empty")
@@ -54,6 +55,9 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.sampling_inputs = sampling_inputs or SamplingInputs()
+        self.lora = lora
+        # 0 = the base model; adapter ids start at 1 and are never reused.
+        self.lora_id = lora.lora_id if lora is not None else 0
         # Ids that stop it like EOS (the model's other end-of-generation ids), unless ignore_eos.
         self.eos_token_ids = frozenset(
             () if sampling_params.ignore_eos else (*extra_eos_token_ids, *(() if eos_token_id is None else (eos_token_id,)))

@@ -215,3 +215,36 @@ def test_threads_flag():
     assert _configs()[0].model.threads is None  # torch's default: one per physical core
     with pytest.raises(ConfigError, match="--threads must be >= 1"):
         _configs("--threads", "0")
+
+
+def test_lora_flags_take_aphrodites_names_and_both_module_forms(tmp_path):
+    engine, _ = _configs(
+        "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8", "--lora-dtype", "bfloat16",
+        "--lora-modules", "support=/a/support", '{"name": "legal", "path": "org/legal", "base_model_name": "base"}',
+        "--lora-modules", "third=/a/third",
+    )
+    lora = engine.lora
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, lora.lora_dtype) == (
+        True, 4, 64, 8, "bfloat16")
+    assert [(m.name, m.path, m.base_model_name) for m in lora.lora_modules] == [
+        ("support", "/a/support", None), ("legal", "org/legal", "base"), ("third", "/a/third", None)]
+    defaults = _configs()[0].lora
+    assert not defaults.enable_lora and (defaults.max_loras, defaults.max_lora_rank, defaults.cpu_capacity) == (1, 16, 1)
+    path = tmp_path / "c.yaml"
+    path.write_text("enable-lora: true\nlora-modules: one=/x\n")
+    assert [m.name for m in cli.build_configs(cli.parse_args(["run", "--config", str(path)]))[0].lora.lora_modules] == ["one"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--enable-lora", "--max-lora-rank", "24"], "--max-lora-rank must be one of"),
+    (["--enable-lora", "--max-loras", "0"], "--max-loras must be >= 1"),
+    (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras (2) must be >= --max-loras (4)"),
+    (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras needs tensor parallelism"),
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a"], "expected name=path or a JSON object"),
+    (["--enable-lora", "--lora-modules", '{"name": "a"}'], "needs string fields name and path"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "the name 'a' is given twice"),
+])
+def test_bad_lora_flags_exit_2_naming_the_flag(argv, message, capsys):
+    assert cli.main(["run", "m", *argv]) == 2
+    assert message in capsys.readouterr().err

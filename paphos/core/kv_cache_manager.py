@@ -53,8 +53,9 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
 
     def _extra_keys(self, request: Request) -> tuple[Hashable, ...]:
-        # Keys besides the tokens that change a block's KV. LoRA id goes here once adapters exist.
-        return ()
+        # Keys besides the tokens that change a block's KV: an adapter changes every layer's
+        # K/V, so two adapters (or an adapter and the base) never share blocks.
+        return (request.lora_id,) if request.lora_id else ()
 
     # ---- prefix cache --------------------------------------------------------------------------
 

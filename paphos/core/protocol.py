@@ -39,6 +39,18 @@ class SamplingInputs(msgspec.Struct, frozen=True):
     grammar: str | None = None
 
 
+class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
+    """The adapter a request runs with, as registered in the API process (paphos/lora/registry.py).
+
+    `lora_id` is unique for the server's lifetime, never reused: an adapter unloaded and loaded
+    again under the same name gets a new id, so KV blocks, cached weights and device slots of the
+    old one can never be mistaken for it."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
 class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):
     """One sequence to generate. A client request with n / best_of > 1 becomes several, each with
     its own id, seed and params (n = best_of = 1)."""
@@ -48,6 +60,7 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, array_like=True):
     sampling_params: SamplingParams
     sampling_inputs: SamplingInputs
     arrival_time: float
+    lora: LoRARequest | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -60,6 +73,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Adapter names of the running and the waiting requests (LoRA enabled only), for the
+    # lora_requests_info metric.
+    running_loras: list[str] = msgspec.field(default_factory=list)
+    waiting_loras: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineOutput(msgspec.Struct, frozen=True):
@@ -166,4 +183,11 @@ class RollbackRequest(msgspec.Struct, tag=True, array_like=True):
     banned_token_id: int
 
 
-CoreInput = AddRequests | FinishRequests | RollbackRequest
+class UnloadAdapter(msgspec.Struct, tag=True, array_like=True):
+    """The adapter was unregistered: requests already sent with it finish with it; its host copy and
+    device slot are released once none is left."""
+
+    lora_id: int
+
+
+CoreInput = AddRequests | FinishRequests | RollbackRequest | UnloadAdapter

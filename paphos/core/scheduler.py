@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable
 
 from paphos.config import CacheConfig, SchedulerConfig
+from paphos.core.adapter_gate import AdapterGate
 from paphos.core.block_pool import KVCacheBlock
 from paphos.core.kv_cache_manager import KVCacheManager
 from paphos.core.protocol import EngineCoreOutputs, SchedulerStats, TokenLogprobs
@@ -48,7 +49,12 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+        max_loras: int | None = None,
+    ) -> None:
+        """`max_loras`: distinct adapters the running requests may use at once (the runner's
+        device slots); None when LoRA is off."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -71,6 +77,9 @@ class Scheduler:
         # with the whole pool to itself (and preempting itself forever would be a livelock).
         self.max_seq_len = min(self.max_model_len, pool_tokens)
 
+        self.max_loras = max_loras
+        # The running adapter drained so a request waiting for a slot gets one (adapter_gate.py).
+        self._draining_lora: int | None = None
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting = RequestQueue()
         self.running: list[Request] = []  # admission order: the last is preempted first
@@ -186,6 +195,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
             position_bans={k: list(v) for k, v in req.position_bans.items()},
+            lora_id=req.lora_id,
         )
 
     def _allocate_next_block_early(self, req: Request, num_new: int) -> list[KVCacheBlock]:
@@ -270,9 +280,15 @@ class Scheduler:
 
         # 2. Waiting requests, FCFS (a blocked head blocks the rest: no starvation of long
         # prompts). Skipped after a preemption: blocks are short, and the runner must never see
-        # the same id preempted and new in one step.
+        # the same id preempted and new in one step. A request whose adapter has no device slot
+        # is passed over and keeps its place (adapter_gate.py).
+        gate = AdapterGate(self.max_loras, self.running, self._draining_lora) if self.max_loras else None
+        passed_over: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if gate is not None and not gate.admits(req):
+                passed_over.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit_tokens
             if not self.enable_chunked_prefill and num_new > budget:
@@ -289,9 +305,15 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
                 self._first_scheduled[req.request_id] = req.first_scheduled_time
             self.running.append(req)
+            if gate is not None:
+                gate.admitted(req)
             new_reqs.append(self._new_request_data(req))
             num_scheduled[req.request_id] = num_new
             budget -= num_new
+        for req in reversed(passed_over):
+            self.waiting.prepend(req)
+        if gate is not None:
+            self._draining_lora = gate.next_draining(self.waiting)
 
         if resent:
             # The flat batch lays out cached requests first, then new ones (rolled back included).
@@ -370,11 +392,15 @@ class Scheduler:
         return outputs
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=self.num_running, num_waiting=self.num_waiting, kv_usage=self.kv_usage,
             num_used_blocks=self.num_used_blocks, num_preemptions=self.num_preemptions_total,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
         )
+        if self.max_loras:
+            stats.running_loras = sorted({r.lora.name for r in self.running if r.lora is not None})
+            stats.waiting_loras = sorted({r.lora.name for r in self.waiting if r.lora is not None})
+        return stats
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """Stop checks for one appended token: EOS, then stop token ids, then length."""
@@ -407,6 +433,10 @@ class Scheduler:
         return entries[skip:] or None
 
     # ---- state for the engine and metrics ------------------------------------------------------
+
+    def is_held(self, req_id: str) -> bool:
+        """Finished here but kept until the API side confirms it (phrase bans, see `_held`)."""
+        return req_id in self._held
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is unfinished or a rejection is still to be reported."""

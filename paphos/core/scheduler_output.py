@@ -29,6 +29,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Phrase-ban rollbacks so far: output position -> token ids banned there only (a copy).
     position_bans: dict[int, list[int]] = field(default_factory=dict)
+    # The adapter it runs with (0: the base model); its weights are in the core's host cache.
+    lora_id: int = 0
 
 
 @dataclass

@@ -43,12 +43,15 @@ from paphos.core.protocol import (
     CoreInput,
     EngineCoreOutputs,
     FinishRequests,
+    LoRARequest,
     SamplingInputs,
     SchedulerStats,
+    UnloadAdapter,
 )
 from paphos.engine import core_process
 from paphos.engine.frontend import Frontend
 from paphos.engine.info import EngineInfo
+from paphos.lora.registry import LoRARegistry
 from paphos.outputs import RequestOutput, accumulate
 from paphos.sampling_params import SamplingParams
 from paphos.tokenizer import Tokenizer
@@ -209,7 +212,14 @@ class AsyncEngine:
             self._fail(exc)
             await self._stop_process()
             raise
-        self._frontend = Frontend(info)
+        frontend = Frontend(info)
+        try:
+            await asyncio.to_thread(frontend.register_startup_adapters)
+        except BaseException as exc:
+            self._fail(exc)
+            await self._stop_process()
+            raise
+        self._frontend = frontend
         self._reader = asyncio.create_task(self._read_outputs(), name="paphos-core-outputs")
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._core_exited)
         self.is_ready = True
@@ -323,6 +333,17 @@ class AsyncEngine:
             "num_generation_tokens": processor.num_generation_tokens,
         }
 
+    def lora_info(self) -> dict[str, str] | None:
+        """Adapters in use (vLLM's lora_requests_info labels), or None when LoRA is off."""
+        if self._frontend is None or not self._frontend.loras.enabled:
+            return None
+        core = self._scheduler_stats
+        return {
+            "running_lora_adapters": ",".join(core.running_loras),
+            "waiting_lora_adapters": ",".join(core.waiting_loras),
+            "max_lora": str(self._frontend.info.config.lora.max_loras),
+        }
+
     def cache_config_info(self) -> dict[str, str]:
         """The KV cache settings, as strings (Prometheus info metric)."""
         cache = self.config.cache if self._frontend is None else self._frontend.info.config.cache
@@ -336,12 +357,32 @@ class AsyncEngine:
             info["num_gpu_blocks"] = str(self._frontend.info.num_blocks - 1)
         return info
 
+    @property
+    def lora_registry(self) -> LoRARegistry:
+        return self.frontend.loras
+
+    async def add_lora(
+        self, name: str, path: str, base_model_name: str | None = None, replace: bool = False
+    ) -> LoRARequest:
+        """Validates and registers an adapter (LoRAError / LoRANotFoundError otherwise); the file
+        reads run off the event loop. Replacing one releases the old adapter once unused."""
+        registry = self.lora_registry
+        previous = registry.get(name)
+        request = await asyncio.to_thread(registry.register, name, path, base_model_name, replace)
+        if previous is not None:
+            self._send(UnloadAdapter(previous.lora_id))
+        return request
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregisters now; requests already running with the adapter finish with it."""
+        self._send(UnloadAdapter(self.lora_registry.unregister(name).lora_id))
+
     def add_request_observer(self, observer: RequestObserver) -> None:
         """`observer(stats)` runs on the event loop once per finished or aborted request."""
         self._observers.append(observer)
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Validates at once (raising ParamError), then streams the request's outputs."""
         if self.errored:
@@ -354,7 +395,7 @@ class AsyncEngine:
             )
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self._stream(request_id, prompt_token_ids, params, inputs)
+        return self._stream(request_id, prompt_token_ids, params, inputs, lora)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
@@ -362,13 +403,14 @@ class AsyncEngine:
     # ---- internals ------------------------------------------------------------------------------
 
     async def _stream(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, inputs: SamplingInputs
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, inputs: SamplingInputs,
+        lora: LoRARequest | None,
     ) -> AsyncIterator[RequestOutput]:
         stream: asyncio.Queue[tuple[RequestOutput | BaseException, float]] = asyncio.Queue()
         self._streams[request_id] = stream
         arrival = time.monotonic()
         tracker = _Tracker(request_id, len(prompt_token_ids), params, arrival)
-        requests = self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival)
+        requests = self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival, lora)
         self._send(AddRequests(requests))
         self._unscheduled.update(r.request_id for r in requests)
         finished = False

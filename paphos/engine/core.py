@@ -20,6 +20,7 @@ from paphos.core.protocol import (
     EngineCoreRequest,
     FinishRequests,
     RollbackRequest,
+    UnloadAdapter,
 )
 from paphos.core.scheduler import Scheduler
 from paphos.engine.info import EngineInfo
@@ -27,6 +28,9 @@ from paphos.request import Request, RequestStatus
 from paphos.worker.setup import load_worker
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run but adapter loads waits for one to finish.
+_ADAPTER_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -36,9 +40,22 @@ class EngineCore:
         self.info = EngineInfo(
             config=worker.config, tokenizer=worker.tokenizer, vocab_size=worker.vocab_size,
             num_blocks=worker.num_blocks, eos_token_id=worker.eos_token_id,
-            extra_eos_token_ids=worker.extra_eos_token_ids,
+            extra_eos_token_ids=worker.extra_eos_token_ids, lora_spec=worker.lora_spec,
         )
-        self.scheduler = Scheduler(worker.config.scheduler, worker.config.cache, worker.num_blocks)
+        lora_config = worker.config.lora
+        self.scheduler = Scheduler(
+            worker.config.scheduler, worker.config.cache, worker.num_blocks,
+            max_loras=lora_config.max_loras if lora_config.enable_lora else None,
+        )
+        # Adapters' weights in host memory (None when LoRA is off); the runner's slots read them.
+        self.adapters = worker.adapters
+        # Requests whose adapter is still loading from disk, by adapter id; the scheduler gets
+        # them once it is in host memory (add_request, _admit_loaded).
+        self._awaiting_adapter: dict[int, list[Request]] = {}
+        # The adapter of every unfinished request that has one (its host-cache reference).
+        self._request_adapter: dict[str, int] = {}
+        # Requests the core finished itself with an error (an adapter that failed to load).
+        self._errors: dict[str, str] = {}
         # Rollbacks applied since the last step's outputs, acknowledged in the next ones.
         self._rolled_back: list[str] = []
         logger.info(
@@ -54,33 +71,94 @@ class EngineCore:
         elif isinstance(message, FinishRequests):
             status = RequestStatus.FINISHED_STOPPED if message.stopped else RequestStatus.FINISHED_ABORTED
             self.scheduler.finish_requests(message.request_ids, status)
+            self._drop_awaiting(message.request_ids)
+            for req_id in message.request_ids:
+                self._release_adapter(req_id)
         elif isinstance(message, RollbackRequest):
             if self.scheduler.rollback_request(message.req_id, message.num_output_tokens, message.banned_token_id):
                 self._rolled_back.append(message.req_id)
+        elif isinstance(message, UnloadAdapter) and self.adapters is not None:
+            self.adapters.unload(message.lora_id)
+            self.runner.unload_adapter(message.lora_id)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """A request the core cannot take (the frontend validated it: a bug) finishes as aborted;
         the others carry on."""
         try:
-            self.scheduler.add_request(Request(
+            req = Request(
                 request.request_id, request.prompt_token_ids, request.sampling_params, self.info.eos_token_id,
-                request.arrival_time, request.sampling_inputs, self.info.extra_eos_token_ids,
-            ))
+                request.arrival_time, request.sampling_inputs, self.info.extra_eos_token_ids, request.lora,
+            )
+            if request.lora is None:
+                self.scheduler.add_request(req)
+                return
+            if self.adapters is None:
+                raise ValueError("a LoRA adapter was requested, but LoRA is not enabled")
+            self.adapters.acquire(request.lora)
+            self._request_adapter[req.request_id] = req.lora_id
+            if self.adapters.is_ready(req.lora_id):
+                self.scheduler.add_request(req)
+            else:
+                self._awaiting_adapter.setdefault(req.lora_id, []).append(req)
         except Exception:  # noqa: BLE001 - confined to this request
             logger.exception("request %s could not be added", request.request_id)
+            self._release_adapter(request.request_id)
             self.scheduler.reject(request.request_id)
 
+    def _admit_loaded(self) -> None:
+        """Requests whose adapter finished loading go to the scheduler (in arrival order); those
+        whose adapter failed to load finish with the error."""
+        assert self.adapters is not None
+        ready, failed = self.adapters.poll()
+        for lora_id in ready:
+            for req in self._awaiting_adapter.pop(lora_id, []):
+                self.scheduler.add_request(req)
+        for failure in failed:
+            for req in self._awaiting_adapter.pop(failure.lora_id, []):
+                self._errors[req.request_id] = failure.message
+                self._release_adapter(req.request_id)
+                self.scheduler.reject(req.request_id)
+
+    def _drop_awaiting(self, req_ids: list[str]) -> None:
+        if not self._awaiting_adapter:
+            return
+        ids = set(req_ids)
+        for lora_id, reqs in list(self._awaiting_adapter.items()):
+            kept = [r for r in reqs if r.request_id not in ids]
+            if kept:
+                self._awaiting_adapter[lora_id] = kept
+            else:
+                del self._awaiting_adapter[lora_id]
+
+    def _release_adapter(self, req_id: str) -> None:
+        lora_id = self._request_adapter.pop(req_id, None)
+        if lora_id is not None and self.adapters is not None:
+            self.adapters.release(lora_id)
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_adapter)
 
     def idle_outputs(self) -> EngineCoreOutputs:
         """An outputs record with only the scheduler's gauges, for when no step runs."""
         return EngineCoreOutputs(stats=self.scheduler.stats(), timestamp=time.monotonic())
 
     def step(self) -> EngineCoreOutputs:
+        if self.adapters is not None:
+            if not self.scheduler.has_unfinished_requests() and self.adapters.loading:
+                # Only requests waiting for their adapter: sleep on the load, not in a busy loop.
+                self.adapters.wait(_ADAPTER_WAIT_S)
+            self._admit_loaded()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.rolled_back, self._rolled_back = self._rolled_back, []
+        if self._errors:
+            outputs.errors.update(self._errors)
+            self._errors = {}
+        if self._request_adapter:
+            for req_id in outputs.finish_reasons:
+                # A held request (phrase bans) may still be rolled back and run again.
+                if not self.scheduler.is_held(req_id):
+                    self._release_adapter(req_id)
         outputs.timestamp = time.monotonic()
         return outputs

@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from paphos.core.protocol import CoreInput, EngineCoreOutputs, EngineCoreRequest, SamplingInputs
+from paphos.core.protocol import CoreInput, EngineCoreOutputs, EngineCoreRequest, LoRARequest, SamplingInputs
 from paphos.engine.info import EngineInfo
 from paphos.engine.output_processor import OutputProcessor
 from paphos.engine.sampling_prep import SamplingPreparer
+from paphos.lora.errors import LoRAError
+from paphos.lora.registry import LoRARegistry
 from paphos.outputs import RequestOutput
 from paphos.sampling_params import ParamError, SamplingParams
 
@@ -27,6 +29,15 @@ class Frontend:
         self.tokenizer = info.tokenizer
         self.output_processor = OutputProcessor(info.tokenizer)
         self.sampling_preparer = SamplingPreparer(info.tokenizer, info.vocab_size, info.stop_token_ids)
+        self.loras = LoRARegistry(info.config.lora, info.lora_spec, info.config.model.served_names)
+
+    def register_startup_adapters(self) -> None:
+        """`--lora-modules`, validated like runtime loads; a bad one stops the start-up, named."""
+        for module in self.info.config.lora.lora_modules:
+            try:
+                self.loras.register(module.name, module.path, module.base_model_name)
+            except LoRAError as exc:
+                raise LoRAError(f"--lora-modules {module.name}={module.path}: {exc}") from None
 
     @property
     def max_model_len(self) -> int:
@@ -65,6 +76,7 @@ class Frontend:
         params: SamplingParams,
         sampling_inputs: SamplingInputs,
         arrival_time: float | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Registers a validated client request; returns what to send to the core."""
         if self.output_processor.has_request(request_id):
@@ -72,7 +84,7 @@ class Frontend:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_ids = self.output_processor.add_request(request_id, prompt_token_ids, params)
         return [
-            EngineCoreRequest(child_id, prompt_token_ids, _child_params(params, index), sampling_inputs, arrival)
+            EngineCoreRequest(child_id, prompt_token_ids, _child_params(params, index), sampling_inputs, arrival, lora)
             for index, child_id in enumerate(child_ids)
         ]
 

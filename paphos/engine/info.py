@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paphos.config import EngineConfig
+from paphos.lora.spec import LoRAModelSpec
 from paphos.tokenizer import Tokenizer
 
 
@@ -22,6 +23,8 @@ class EngineInfo:
     num_blocks: int
     eos_token_id: int | None
     extra_eos_token_ids: tuple[int, ...]
+    # The projections adapters may target, when LoRA is enabled (registration validates against it).
+    lora_spec: LoRAModelSpec | None = None
 
     @property
     def max_model_len(self) -> int:

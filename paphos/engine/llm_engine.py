@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from paphos.config import EngineConfig
-from paphos.core.protocol import FinishRequests
+from paphos.core.protocol import FinishRequests, LoRARequest, UnloadAdapter
 from paphos.core.scheduler import Scheduler
 from paphos.engine.core import EngineCore
 from paphos.engine.frontend import Frontend
@@ -26,6 +26,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
         self.frontend = Frontend(self.core.info)
+        self.frontend.register_startup_adapters()
         self.config = self.core.info.config
 
     @property
@@ -50,12 +51,19 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         """Raises ParamError for a request the model cannot take."""
         inputs = self.frontend.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        for request in self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival):
+        for request in self.frontend.add_request(request_id, prompt_token_ids, params, inputs, arrival, lora):
             self.core.add_request(request)
+
+    def add_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        return self.frontend.loras.register(name, path, base_model_name)
+
+    def remove_lora(self, name: str) -> None:
+        self.core.handle(UnloadAdapter(self.frontend.loras.unregister(name).lora_id))
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

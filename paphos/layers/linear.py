@@ -3,7 +3,7 @@
 Data flow: model -> layer.forward(x) -> layer.quant_method.apply(layer, x, bias). The layer owns
 shapes, shard layout and checkpoint loading; the quant method owns the parameters that hold the
 weight and the matmul. So one model file runs unquantized, GGUF, GPTQ, AWQ, EXL2 or FP8 weights by
-handing each layer a different method (via a `QuantConfig`), and LoRA can wrap `apply`.
+handing each layer a different method (via a `QuantConfig`); LoRA adds its delta after `apply`.
 
 Merged layers (`QKVLinear`, `MergedColumnLinear`) hold several checkpoint tensors side by side on
 the output dimension so one GEMM replaces two or three; `weight_loader(param, loaded, shard_id)`
@@ -33,6 +33,12 @@ class LinearMethod(Protocol):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Repack once after every shard is loaded (e.g. into a faster kernel's layout)."""
+
+
+class AdapterDelta(Protocol):
+    """What LoRA adds beside the base matmul (paphos/lora/layers.py): y += delta(x), in place."""
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
 class QuantConfig(Protocol):
@@ -76,6 +82,8 @@ class LinearBase(nn.Module):
         self.output_size = sum(output_sizes)
         self.quant_method: LinearMethod = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, self.output_size, params_dtype)
+        # Attached by the engine when LoRA is enabled (paphos/lora/slots.py).
+        self.lora: AdapterDelta | None = None
         if bias:
             # Biases stay unquantized in every format we support.
             b = nn.Parameter(torch.empty(self.output_size, dtype=params_dtype), requires_grad=False)
@@ -86,7 +94,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
     def shard_index(self, shard_id: object) -> int:
         raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")

@@ -104,10 +104,14 @@ class DecodeGraphs:
             and metadata.block_tables.shape[1] <= self.block_tables.shape[1]
         )
 
+    def bucket(self, num_rows: int) -> int:
+        """The batch size of the graph a decode batch of `num_rows` replays (padded up)."""
+        return self.buckets[bisect.bisect_left(self.buckets, num_rows)]
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Replays the smallest graph that holds this decode batch; returns logits [B, vocab]."""
         n = metadata.num_tokens
-        batch = self.buckets[bisect.bisect_left(self.buckets, n)]
+        batch = self.bucket(n)
         width = metadata.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
@@ -137,6 +141,6 @@ class DecodeGraphs:
         return self._replay(n)
 
     def _replay(self, n: int) -> torch.Tensor:
-        graph, logits = self.graphs[self.buckets[bisect.bisect_left(self.buckets, n)]]
+        graph, logits = self.graphs[self.bucket(n)]
         graph.replay()
         return logits[:n]

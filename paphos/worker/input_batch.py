@@ -36,6 +36,8 @@ class RequestState:
     sampler_row: SamplerRow
     # Its next token depends only on its logits and (seed, position) (lookahead.py).
     stateless: bool
+    # Its adapter (0: the base model).
+    lora_id: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -74,6 +76,7 @@ def apply_scheduler_diffs(states: dict[str, RequestState], out: SchedulerOutput)
             position_bans=new.position_bans,
             sampler_row=sampler_row(params),
             stateless=stateless(params),
+            lora_id=new.lora_id,
         )
     for cached in out.scheduled_cached_reqs:
         state = states[cached.req_id]

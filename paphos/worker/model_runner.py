@@ -19,6 +19,7 @@ import xgrammar as xgr
 
 from paphos.core.protocol import TokenLogprobs
 from paphos.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from paphos.lora.slots import AdapterSlots
 from paphos.sample.guided import GuidedState
 from paphos.sample.metadata import SamplingMetadata
 from paphos.sample.sampler import Sampler, SamplerOutput
@@ -77,6 +78,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Set up by `compile_decode` (CPU, not --enforce-eager).
         self.compiled_decode: CompiledDecode | None = None
+        # Device slots of LoRA adapters (attached by worker/setup.py when LoRA is enabled).
+        self.adapter_slots: AdapterSlots | None = None
         # The next decode step, launched before this one was read back (lookahead.py), or None.
         self._lookahead: Lookahead | None = None
         self.sampler = Sampler()
@@ -98,6 +101,10 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], sampled_logprobs=[])
 
         inputs = build_step_inputs(self.states, scheduler_output, self.block_size, self.uploader)
+        if self.adapter_slots is not None:
+            self.adapter_slots.prepare(
+                [self.states[r].lora_id for r in inputs.req_ids], list(scheduler_output.num_scheduled_tokens.values())
+            )
         num_reqs = len(inputs.req_ids)
         output = ModelRunnerOutput(inputs.req_ids, [[] for _ in range(num_reqs)], [[] for _ in range(num_reqs)])
         states = [self.states[inputs.req_ids[i]] for i in inputs.sampling_reqs]
@@ -129,6 +136,10 @@ class ModelRunner:
             )
         return output
 
+    def unload_adapter(self, lora_id: int) -> None:
+        if self.adapter_slots is not None:
+            self.adapter_slots.unload(lora_id)
+
     def compile_decode(self, max_num_seqs: int) -> None:
         self.compiled_decode = CompiledDecode(self.model, self.kv_caches, max_num_seqs)
         self.compiled_decode.warm_up()
@@ -137,6 +148,8 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
         )
+        if self.adapter_slots is not None:
+            self.adapter_slots.batch.record_graphs(self.decode_graphs.buckets)
         self.decode_graphs.capture()
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -145,6 +158,9 @@ class ModelRunner:
         md = inputs.attn_metadata
         every_row_samples = len(inputs.sampling_rows) == md.num_tokens and not inputs.prompt_logprob_rows
         if self.decode_graphs is not None and every_row_samples and self.decode_graphs.can_run(md):
+            if self.adapter_slots is not None:
+                # The graph reads its batch size's mapping buffers: write this step's into them.
+                self.adapter_slots.batch.mapping_for(self.decode_graphs.bucket(md.num_tokens))
             return None, self.decode_graphs.run(inputs.input_ids, inputs.positions, md)
         if self.compiled_decode is not None and every_row_samples and self.compiled_decode.can_run(md):
             return None, self.compiled_decode.run(inputs.input_ids, inputs.positions, md)

@@ -19,6 +19,9 @@ from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.config import ConfigError, EngineConfig
 from paphos.default_model import default_cache_dir
 from paphos.loader import load_model_source
+from paphos.lora.host_cache import AdapterHostCache
+from paphos.lora.slots import AdapterSlots
+from paphos.lora.spec import LoRAModelSpec, lora_model_spec
 from paphos.models.registry import resolve_model_class
 from paphos.quant.gguf.kernels import INT8_GROUPS_ON_CPU
 from paphos.quant.registry import select_quant_config
@@ -45,6 +48,9 @@ class Worker:
     extra_eos_token_ids: tuple[int, ...]
     vocab_size: int
     num_blocks: int
+    # With LoRA enabled: what adapters must fit, and their host cache (the runner holds the slots).
+    lora_spec: LoRAModelSpec | None = None
+    adapters: AdapterHostCache | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,6 +113,9 @@ def load_worker(config: EngineConfig) -> Worker:
             source.hf_config, dtype=dtype, attn_backend=backend, quant_config=quant_config
         )
     compile_decode = device.type == "cpu" and not model_config.enforce_eager and cpu_compile_enabled()
+    if compile_decode and config.lora.enable_lora:
+        logger.info("compiled CPU decode off: LoRA steps run eagerly on the CPU")
+        compile_decode = False
     int8_groups = INT8_GROUPS_ON_CPU.set(compile_decode)
     try:
         source.load_into(model, seed=model_config.seed)
@@ -115,6 +124,7 @@ def load_worker(config: EngineConfig) -> Worker:
     model.eval()
     for line in getattr(quant_config, "summary", list)():
         logger.info("%s", line)
+    adapter_slots = _attach_lora(model, config, dtype, device) if config.lora.enable_lora else None
 
     kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
     num_blocks = num_blocks_for_budget(kv_spec, config.cache, _kv_budget_bytes(model, config, kv_spec, device))
@@ -136,6 +146,7 @@ def load_worker(config: EngineConfig) -> Worker:
         extra_eos_token_ids=tuple(eos_ids[1:]),
         grammar_info=functools.partial(tokenizer_info, source.tokenizer.hf, model.vocab_size, sorted(set(eos_ids))),
     )
+    runner.adapter_slots = adapter_slots
     if graphs:
         runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
     if compile_decode:
@@ -151,7 +162,19 @@ def load_worker(config: EngineConfig) -> Worker:
         extra_eos_token_ids=tuple(eos_ids[1:]),
         vocab_size=model.vocab_size,
         num_blocks=num_blocks,
+        lora_spec=lora_model_spec(model) if adapter_slots is not None else None,
+        adapters=adapter_slots.host if adapter_slots is not None else None,
     )
+
+
+def _attach_lora(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> AdapterSlots:
+    """Device slots on every projection and the host cache that fills them (paphos/lora)."""
+    lora = config.lora
+    lora_dtype = dtype if lora.lora_dtype == "auto" else _DTYPES[lora.lora_dtype]
+    host = AdapterHostCache(
+        lora_model_spec(model), lora.max_lora_rank, lora_dtype, lora.cpu_capacity, pin_memory=device.type == "cuda"
+    )
+    return AdapterSlots(model, host, lora.max_loras, lora.max_lora_rank, lora_dtype, device)
 
 
 def cpu_compile_enabled() -> bool:

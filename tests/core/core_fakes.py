@@ -44,6 +44,7 @@ def make_scheduler(
     max_model_len: int = 64,
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
+    max_loras: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -54,6 +55,7 @@ def make_scheduler(
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
+        max_loras=max_loras,
     )
 
 
