@@ -26,7 +26,7 @@ from paphos.server.auth import AuthMiddleware
 from paphos.server.errors import BodySizeLimitMiddleware, error_response, install_error_handlers
 from paphos.server.kobold.jobs import KoboldJobs
 from paphos.server.metrics import build_registry, log_stats_forever
-from paphos.server.openai import chat, completions, models, tokenize
+from paphos.server.openai import chat, completions, lora, models, tokenize
 from paphos.server.openapi import install_openapi
 from paphos.server.state import EngineClient, ServerState, get_state
 from paphos.version import __version__
@@ -98,7 +98,7 @@ def build_app(
         allow_credentials=server_config.allow_credentials,
     )
 
-    for module in (completions, chat, models, tokenize, kobold, metrics):
+    for module in (completions, chat, models, tokenize, lora, kobold, metrics):
         app.include_router(module.router)
     if not server_config.disable_web_ui:
         app.include_router(web.router)

@@ -99,7 +99,8 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "
 
 
 def _field_name(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p != "body"]
+    # FastAPI prefixes where the value came from; clients know the field by its name alone.
+    parts = [str(p) for p in loc if p not in ("body", "query")]
     return ".".join(parts)
 
 

@@ -90,6 +90,14 @@ class EngineCollector:
         info = InfoMetricFamily("aphrodite:cache_config", "KV cache configuration.", labels=_LABELS)
         info.add_metric(values, engine.cache_config_info())
         yield info
+        lora = engine.lora_info()
+        if lora is not None:
+            adapters = GaugeMetricFamily(
+                "aphrodite:lora_requests_info", "LoRA adapters of the running and waiting requests (comma-separated).",
+                labels=[*_LABELS, *lora],
+            )
+            adapters.add_metric([*values, *lora.values()], 1.0)
+            yield adapters
 
 
 class RequestMetrics:

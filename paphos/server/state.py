@@ -1,7 +1,9 @@
 """What every route needs: the engine, the served names, server settings (stored on `app.state`).
 
 Routes reach the engine only through `ServerState.ready_engine()`, which answers 503 while the
-model is still loading or after the engine died, so no route touches a half-built engine.
+model is still loading or after the engine died, so no route touches a half-built engine. A
+request's `model` is resolved here (`ServerState.resolve_model`) into the name its response echoes
+and the LoRA adapter it runs with, read from the engine's one adapter registry (paphos/lora).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastapi import Request
 
 from paphos.config import ModelConfig, ServerConfig
+from paphos.core.protocol import LoRARequest
+from paphos.lora.registry import LoRARegistry
 from paphos.outputs import RequestOutput
 from paphos.sampling_params import SamplingParams
 from paphos.server.errors import APIError
@@ -31,12 +35,27 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     model_config: ModelConfig
+    # The adapter names (contract §3.6); usable once the engine is ready.
+    lora_registry: LoRARegistry
 
     async def start(self) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
+
+    async def add_lora(
+        self, name: str, path: str, base_model_name: str | None = None, replace: bool = False
+    ) -> LoRARequest:
+        """Validates and registers an adapter (off the event loop); raises LoRAError (400) or
+        LoRANotFoundError (404)."""
+        ...
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregisters `name` now (running requests finish with it); raises LoRANotFoundError (404)
+        or LoRAError (400, LoRA disabled)."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -44,9 +63,19 @@ class EngineClient(Protocol):
 
     def cache_config_info(self) -> dict[str, str]: ...
 
+    def lora_info(self) -> dict[str, str] | None: ...
+
     def add_request_observer(self, observer: Callable[[RequestStats], None]) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What a request runs with: the name its response echoes, and its adapter (None: the base)."""
+
+    name: str
+    lora: LoRARequest | None = None
 
 
 @dataclass
@@ -72,13 +101,19 @@ class ServerState:
             raise APIError(503, "The model is still loading; retry when GET /health returns 200.")
         return engine
 
-    def resolve_model(self, name: str | None) -> str:
-        """`model` is optional; a given one must be served (404 otherwise)."""
-        if name is None or name == "":
-            return self.model_name
-        if name not in self.served_model_names:
+    def resolve_model(self, name: str | None) -> ModelChoice:
+        """`model` is optional; a given one must be a served name or a loaded adapter (404 otherwise).
+
+        Responses echo the first served name for the base model and the adapter's own name for an
+        adapter (contract §3.1). Adapter names are known only once the engine is ready, so a name
+        that is not served answers 503 while the model loads.
+        """
+        if not name or name in self.served_model_names:
+            return ModelChoice(self.model_name)
+        lora = self.ready_engine().lora_registry.get(name)
+        if lora is None:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
-        return self.model_name
+        return ModelChoice(name, lora)
 
     @property
     def max_logprobs(self) -> int:

@@ -6,13 +6,19 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from paphos.config import ModelConfig, ServerConfig
-from paphos.core.protocol import TokenLogprobs
+from paphos.config import LoRAConfig, ModelConfig, ServerConfig
+from paphos.core.protocol import LoRARequest, TokenLogprobs
+from paphos.lora.errors import LoRAError, LoRANotFoundError
+from paphos.lora.registry import LoRARegistry
+from paphos.lora.spec import LoRAModelSpec
 from paphos.outputs import CompletionOutput, RequestOutput
 from paphos.sampling_params import ParamError, SamplingParams
 from paphos.server.app import build_app
 
 SPECIAL = {0: "<pad>", 1: "<s>", 2: "</s>"}
+SERVED_NAMES = ("fake-model", "alias")
+# What a fake adapter must fit (the fake validator below ignores it; the registry needs one).
+LORA_SPEC = LoRAModelSpec(num_layers=2, shapes={"q_proj": (64, 64), "v_proj": (64, 64)})
 
 
 class FakeHF:
@@ -85,8 +91,21 @@ def _logprobs(token: int, step: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token, -0.75 if rank == 2 else -0.5, rank, top_ids, top_lps)
 
 
+def fake_validate_adapter(path: str, spec: LoRAModelSpec, max_rank: int) -> str:
+    """Stands in for `paphos.lora.peft.validate_adapter`: paths containing MISSING are not found,
+    RANK64 is over the rank limit, BADCONFIG is unreadable; anything else is valid, resolved to
+    `/resolved/<path>` (a local directory, as a downloaded Hugging Face repo would be)."""
+    if "MISSING" in path:
+        raise LoRANotFoundError(f"no adapter at {path!r}: neither a directory nor a Hugging Face repo")
+    if "RANK64" in path:
+        raise LoRAError(f"{path}: rank 64 is over --max-lora-rank {max_rank}")
+    if "BADCONFIG" in path:
+        raise LoRAError(f"{path}/adapter_config.json: not valid JSON")
+    return f"/resolved/{path.strip('/')}"
+
+
 class FakeEngine:
-    def __init__(self, max_model_len: int = 256, ready_on_start: bool = True) -> None:
+    def __init__(self, max_model_len: int = 256, ready_on_start: bool = True, enable_lora: bool = False) -> None:
         self.is_ready = False
         self.errored = False
         self.error: BaseException | None = None
@@ -97,6 +116,13 @@ class FakeEngine:
         self.hold = not ready_on_start
         self.fail_start: BaseException | None = None
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
+        # The adapter each request id ran with (None: the base model).
+        self.loras: dict[str, LoRARequest | None] = {}
+        # A real registry; its adapter validation is `paphos.lora.peft.validate_adapter`, which
+        # tests replace with fake_validate_adapter.
+        self.lora_registry = LoRARegistry(
+            LoRAConfig(enable_lora=enable_lora), LORA_SPEC if enable_lora else None, SERVED_NAMES
+        )
         self.aborted: list[str] = []
         self.completed: list[str] = []
         self.observers: list[Any] = []
@@ -110,8 +136,11 @@ class FakeEngine:
             raise self.fail_start
         self.is_ready = True
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    ):
         self.calls.append((request_id, list(prompt_token_ids), dataclasses.replace(params)))
+        self.loras[request_id] = lora
         text = self.tokenizer.decode(prompt_token_ids)
         if "KVFULL" in text:
             raise ParamError("prompt", "the request needs more KV blocks than the cache holds")
@@ -143,6 +172,15 @@ class FakeEngine:
         finally:
             (self.completed if done else self.aborted).append(request_id)
 
+    async def add_lora(
+        self, name: str, path: str, base_model_name: str | None = None, replace: bool = False
+    ) -> LoRARequest:
+        # As the real engine: validation reads files, so it runs in a thread.
+        return await asyncio.to_thread(self.lora_registry.register, name, path, base_model_name, replace)
+
+    async def remove_lora(self, name: str) -> None:
+        self.lora_registry.unregister(name)
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
@@ -151,6 +189,12 @@ class FakeEngine:
 
     def cache_config_info(self) -> dict[str, str]:
         return {"block_size": "16"}
+
+    def lora_info(self) -> dict[str, str] | None:
+        if not self.lora_registry.enabled:
+            return None
+        names = ",".join(sorted(a.request.name for a in self.lora_registry.adapters()))
+        return {"running_lora_adapters": names, "waiting_lora_adapters": "", "max_lora": "1"}
 
     def add_request_observer(self, observer: Any) -> None:
         self.observers.append(observer)
@@ -161,7 +205,7 @@ class FakeEngine:
 
 def make_app(engine: FakeEngine, **server: Any):
     config = ServerConfig(**{"max_n": 8, "disable_log_requests": True, **server})
-    return build_app(engine, config, ["fake-model", "alias"])
+    return build_app(engine, config, list(SERVED_NAMES))
 
 
 def assert_error_shape(response, status: int, type_: str | None = None, param: Any = ...) -> dict[str, Any]:

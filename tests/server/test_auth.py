@@ -89,7 +89,7 @@ def test_matrix(clients, key, style):
                 # Closed for everyone, whatever the key (no "loopback only" exception).
                 assert_error_shape(r, 403, "PermissionDeniedError")
             elif key == ADMIN:
-                assert r.status_code not in (401, 403), (config, path)  # passes auth (no LoRA routes yet: 404)
+                assert r.status_code not in (401, 403), (config, path)  # passes auth (then 400 or 404: no body)
             else:
                 assert _is_unauthorized(r), (config, path, key)
 

@@ -1,11 +1,12 @@
 """POST /api/v1/generate and /api/extra/generate/stream (contract §5.1, §5.2).
 
-Flow: raw JSON -> KoboldGenerateRequest (lengths, memory, genkey) -> tokenize memory (with BOS)
-and prompt, dropping the oldest prompt tokens beyond max_context_length - max_length -> sampler
-fields renamed into a CompletionRequest and checked exactly as /v1/completions checks them ->
-SamplingParams -> the same MergedOutputs / collect / SSE machinery as the OpenAI routes, with a
-KoboldJob (jobs.py) recording the text for check/abort. Results: `{"results": [{"text", ...}]}`;
-the stream sends `event: message` + `data: {"token": ...}` and a last event with `finish_reason`.
+Flow: raw JSON -> KoboldGenerateRequest (lengths, memory, genkey; `lora` looked up in the engine's
+adapter registry) -> tokenize memory (with BOS) and prompt, dropping the oldest prompt tokens
+beyond max_context_length - max_length -> sampler fields renamed into a CompletionRequest and
+checked exactly as /v1/completions checks them -> SamplingParams -> the same MergedOutputs /
+collect / SSE machinery as the OpenAI routes, with a KoboldJob (jobs.py) recording the text for
+check/abort. Results: `{"results": [{"text", ...}]}`; the stream sends `event: message` +
+`data: {"token": ...}` and a last event with `finish_reason`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from paphos.core.protocol import LoRARequest
 from paphos.outputs import RequestOutput
 from paphos.sampling_params import SamplingParams
 from paphos.server.errors import APIError, bad_request
@@ -35,7 +37,7 @@ from paphos.server.openai.streaming import (
     sse,
 )
 from paphos.server.openapi import json_body
-from paphos.server.state import ServerState, get_state
+from paphos.server.state import EngineClient, ServerState, get_state
 
 v1 = APIRouter()  # mounted at /api/v1 and /api/latest
 extra = APIRouter()  # mounted at /api/extra
@@ -51,6 +53,24 @@ class _Plan:
     completion: CompletionRequest
     prompt_ids: list[int]
     params: SamplingParams
+    lora: LoRARequest | None
+
+
+def _adapter(engine: EngineClient, name: str | None) -> LoRARequest | None:
+    """The Kobold `lora` field (contract §5.1): null or "" is the base model, else a loaded adapter.
+
+    Only adapter names are accepted here (the base model's names are not adapters); OpenAI routes
+    choose adapters through `model` instead (ServerState.resolve_model).
+    """
+    if not name:
+        return None
+    registry = engine.lora_registry
+    if not registry.enabled:
+        raise bad_request("LoRA adapters are not enabled on this server.", "lora")
+    lora = registry.get(name)
+    if lora is None:
+        raise APIError(404, f"The LoRA adapter `{name}` does not exist.", "lora")
+    return lora
 
 
 def _default_bad_words(state: ServerState) -> list[int]:
@@ -78,8 +98,7 @@ async def _plan(raw: dict[str, Any], state: ServerState, stream: bool) -> _Plan:
     engine = state.ready_engine()
     if body.images:
         raise bad_request("This model does not accept images.", "images")
-    if body.lora:
-        raise bad_request("LoRA adapters are not enabled on this server.", "lora")
+    lora = _adapter(engine, body.lora)
     max_context = engine.max_model_len if body.max_context_length is None else body.max_context_length
     max_context = min(max_context, engine.max_model_len)
     if max_context < 2:
@@ -106,7 +125,7 @@ async def _plan(raw: dict[str, Any], state: ServerState, stream: bool) -> _Plan:
     common.check_generation_fields(completion, state)
     params = build_sampling_params(completion, max_tokens=max_length, logprobs=num_logprobs)
     params.validate_against(engine.vocab_size, state.max_logprobs)
-    return _Plan(common.new_request_id("kobold"), body, completion, prompt_ids, params)
+    return _Plan(common.new_request_id("kobold"), body, completion, prompt_ids, params, lora)
 
 
 def _logprobs_json(state: ServerState, plan: _Plan, token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
@@ -124,7 +143,7 @@ async def _start(request: Request, stream: bool) -> tuple[ServerState, _Plan, Ko
     job = get_jobs(request).start(plan.body.genkey, client_of(request), len(plan.prompt_ids))
     if not plan.body.quiet:
         common.log_request(state, plan.request_id, [plan.prompt_ids], plan.params)
-    job.merged = MergedOutputs(state.engine, plan.request_id, [plan.prompt_ids], [plan.params])
+    job.merged = MergedOutputs(state.engine, plan.request_id, [plan.prompt_ids], [plan.params], plan.lora)
     return state, plan, job, job.merged
 
 

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions (contract §3.2, §3.5): messages -> chat template -> engine -> chat JSON or SSE.
 
-Flow: parse body -> request-level checks -> render the chat template (request template, else the
+Flow: parse body -> `model` resolved to the echoed name and the LoRA adapter, if any (state.py)
+-> request-level checks -> render the chat template (request template, else the
 server's --chat-template, else the tokenizer's) -> tokenize -> length checks (max_tokens defaults
 to what is left of the context) -> one engine request -> chat.completion, or chunks where each
 choice first gets `delta: {"role": "assistant", "content": ""}`.
@@ -39,7 +40,7 @@ from paphos.server.openai.streaming import (
     sse,
 )
 from paphos.server.openapi import json_body
-from paphos.server.state import ServerState, get_state
+from paphos.server.state import ModelChoice, ServerState, get_state
 
 router = APIRouter()
 
@@ -49,7 +50,7 @@ ROLE = "assistant"
 @dataclass
 class _Plan:
     request_id: str
-    model: str
+    model: ModelChoice
     body: ChatCompletionRequest
     prompt_ids: list[int]
     params: SamplingParams
@@ -131,7 +132,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await common.parse_body(request, ChatCompletionRequest)
     plan = await _plan(body, state)
     common.log_request(state, plan.request_id, [plan.prompt_ids], plan.params)
-    merged = MergedOutputs(state.engine, plan.request_id, [plan.prompt_ids], [plan.params])
+    merged = MergedOutputs(state.engine, plan.request_id, [plan.prompt_ids], [plan.params], plan.model.lora)
     try:
         if body.stream:
             first = await run_until_disconnect(request, common.first_output(merged))
@@ -162,7 +163,7 @@ def _response(state: ServerState, plan: _Plan, collected: common.Collected) -> d
         "id": plan.request_id,
         "object": "chat.completion",
         "created": common.now(),
-        "model": plan.model,
+        "model": plan.model.name,
         "choices": choices,
         "usage": common.usage(len(plan.prompt_ids), completion_tokens),
     }
@@ -184,7 +185,7 @@ async def _stream(state: ServerState, plan: _Plan, merged: MergedOutputs, first:
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None, stop: Any = None) -> str:
         payload: dict[str, Any] = {
-            "id": plan.request_id, "object": "chat.completion.chunk", "created": created, "model": plan.model,
+            "id": plan.request_id, "object": "chat.completion.chunk", "created": created, "model": plan.model.name,
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}],
             "usage": None,
         }
@@ -217,7 +218,7 @@ async def _stream(state: ServerState, plan: _Plan, merged: MergedOutputs, first:
                 yield chunk(index, content, logprobs, delta.finish_reason, delta.stop_reason)
         if options is not None and options.include_usage:
             yield sse({
-                "id": plan.request_id, "object": "chat.completion.chunk", "created": created, "model": plan.model,
+                "id": plan.request_id, "object": "chat.completion.chunk", "created": created, "model": plan.model.name,
                 "choices": [], "usage": common.usage(prompt_tokens, sum(generated.values())),
             })
     except Exception as exc:  # noqa: BLE001 - after the first byte the status is 200: report in-band

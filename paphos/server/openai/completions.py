@@ -1,8 +1,9 @@
 """POST /v1/completions (contract §3.1, §3.5): prompts -> engine -> text_completion JSON or SSE.
 
-Flow: parse body -> request-level checks -> tokenize each prompt (str | [str] | [int] | [[int]])
--> length/vocab checks -> one engine request per prompt (merged; choice index =
-prompt_index * n + choice) -> non-streamed response, or SSE chunks of one choice each.
+Flow: parse body -> `model` resolved to the echoed name and the LoRA adapter, if any
+(state.py) -> request-level checks -> tokenize each prompt (str | [str] | [int] | [[int]])
+-> length/vocab checks -> one engine request per prompt, all with that adapter (merged; choice
+index = prompt_index * n + choice) -> non-streamed response, or SSE chunks of one choice each.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from paphos.server.openai.streaming import (
     sse,
 )
 from paphos.server.openapi import json_body
-from paphos.server.state import EngineClient, ServerState, get_state
+from paphos.server.state import EngineClient, ModelChoice, ServerState, get_state
 
 router = APIRouter()
 
@@ -52,7 +53,7 @@ class _Plan:
     """Everything decided before the engine is called."""
 
     request_id: str
-    model: str
+    model: ModelChoice
     body: CompletionRequest
     prompts: list[_Prompt]
     params: list[SamplingParams]
@@ -136,7 +137,9 @@ async def create_completion(request: Request) -> Response:
     body = await common.parse_body(request, CompletionRequest)
     plan = await _plan(body, state)
     common.log_request(state, plan.request_id, [p.ids for p in plan.prompts], plan.params[0])
-    merged = MergedOutputs(state.engine, plan.request_id, [p.ids for p in plan.prompts], plan.params)
+    merged = MergedOutputs(
+        state.engine, plan.request_id, [p.ids for p in plan.prompts], plan.params, plan.model.lora
+    )
     try:
         if body.stream:
             first = await run_until_disconnect(request, common.first_output(merged))
@@ -183,7 +186,7 @@ def _response(state: ServerState, plan: _Plan, collected: common.Collected) -> d
         "id": plan.request_id,
         "object": "text_completion",
         "created": common.now(),
-        "model": plan.model,
+        "model": plan.model.name,
         "choices": choices,
         "usage": common.usage(plan.prompt_tokens, completion_tokens),
     }
@@ -199,7 +202,7 @@ async def _stream(state: ServerState, plan: _Plan, merged: MergedOutputs, first:
 
     def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop: Any) -> dict[str, Any]:
         payload = {
-            "id": plan.request_id, "object": "text_completion", "created": created, "model": plan.model,
+            "id": plan.request_id, "object": "text_completion", "created": created, "model": plan.model.name,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}],
             "usage": None,
         }
@@ -245,7 +248,7 @@ async def _stream(state: ServerState, plan: _Plan, merged: MergedOutputs, first:
                 yield sse(chunk(index, text, logprobs, finish, stop))
         if options is not None and options.include_usage:
             yield sse({
-                "id": plan.request_id, "object": "text_completion", "created": created, "model": plan.model,
+                "id": plan.request_id, "object": "text_completion", "created": created, "model": plan.model.name,
                 "choices": [], "usage": common.usage(plan.prompt_tokens, sum(generated.values())),
             })
     except Exception as exc:  # noqa: BLE001 - after the first byte the status is 200: report in-band

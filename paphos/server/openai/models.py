@@ -1,7 +1,9 @@
-"""GET /v1/models (contract §3.3): one model card per served name, with max_model_len.
+"""GET /v1/models (contract §3.3): one model card per served name and per loaded LoRA adapter.
 
 Answers 200 whenever the server is up, loading included (SillyTavern's status check, §6.1); 503
-only after the engine died.
+only after the engine died. Adapters come from the engine's one registry (paphos/lora/registry.py),
+so a name loaded through the admin routes (openai/lora.py) is listed at once and gone once
+unloaded; while the model loads there is no registry yet, and only the served names are listed.
 """
 
 from __future__ import annotations
@@ -43,18 +45,23 @@ async def list_models(request: Request) -> dict[str, Any]:
     # offline); max_model_len is then the configured one (null when it comes from the model).
     max_model_len = engine.max_model_len if engine.is_ready else engine.model_config.max_model_len
     created = common.now()
-    root = engine.model_config.model
-    cards = [
-        {
+
+    def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "paphos",
             "root": root,
-            "parent": None,
+            "parent": parent,
             "max_model_len": max_model_len,
             "permission": [_permission(created)],
         }
-        for name in state.served_model_names
-    ]
+
+    cards = [card(name, engine.model_config.model, None) for name in state.served_model_names]
+    if engine.is_ready:
+        cards += [
+            card(adapter.request.name, adapter.request.path, adapter.base_model_name or state.model_name)
+            for adapter in engine.lora_registry.adapters()
+        ]
     return {"object": "list", "data": cards}

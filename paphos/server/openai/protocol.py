@@ -304,3 +304,28 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[Int]
+
+
+class LoRALoadRequest(OpenAIModel):
+    """POST /v1/lora/load (Aphrodite 0.6 spelling, §3.6)."""
+
+    name: str
+    # A local directory or a Hugging Face repo id.
+    path: str
+    # The parent /v1/models lists; by default the first served name.
+    base_model_name: str | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM / Aphrodite 0.2x spelling, §3.6)."""
+
+    lora_name: str
+    lora_path: str
+    # Replace an adapter already loaded under the name (running requests keep the old one).
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter (§3.6)."""
+
+    lora_name: str

@@ -19,6 +19,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from paphos.core.protocol import LoRARequest
 from paphos.engine.async_engine import RequestTimeoutError
 from paphos.outputs import RequestOutput
 from paphos.sampling_params import ParamError, SamplingParams
@@ -57,25 +58,30 @@ _END = object()
 
 
 class MergedOutputs:
-    """Interleaves the outputs of one engine request per prompt: yields (prompt_index, output)."""
+    """Interleaves the outputs of one engine request per prompt: yields (prompt_index, output).
+
+    Every prompt runs with `lora` (None: the base model), the adapter the request's `model` named.
+    """
 
     def __init__(
-        self, engine: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams]
+        self, engine: EngineClient, request_id: str, prompts: list[list[int]], params: list[SamplingParams],
+        lora: LoRARequest | None = None,
     ) -> None:
         self._engine = engine
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._open = len(prompts)
         self._tasks = [
-            asyncio.create_task(self._pump(i, engine, f"{request_id}-{i}", ids, p))
+            asyncio.create_task(self._pump(i, engine, f"{request_id}-{i}", ids, p, lora))
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
         ]
 
     async def _pump(
-        self, index: int, engine: EngineClient, request_id: str, prompt: list[int], params: SamplingParams
+        self, index: int, engine: EngineClient, request_id: str, prompt: list[int], params: SamplingParams,
+        lora: LoRARequest | None,
     ) -> None:
         generator = None
         try:
-            generator = engine.generate(request_id, prompt, params)
+            generator = engine.generate(request_id, prompt, params, lora=lora)
             async for output in generator:
                 self._queue.put_nowait((index, output))
         except asyncio.CancelledError:

@@ -2,7 +2,8 @@
 
 Completion form `{prompt}` or chat form `{messages}` (the chat template applied first) -> token
 ids; ids -> text. These routes count, they do not generate, so prompts longer than the context
-are counted rather than refused.
+are counted rather than refused. `model` may name a served name or a loaded adapter (an adapter
+shares the base model's tokenizer, so the answer is the same); any other name is a 404.
 """
 
 from __future__ import annotations
