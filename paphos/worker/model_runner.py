@@ -76,6 +76,11 @@ class ModelRunner:
         self.uploader = DeviceUploader(device)
         # Set up by `capture_decode_graphs` (GPU, not --enforce-eager); None = every step eager.
         self.decode_graphs: DecodeGraphs | None = None
+        # With LoRA, a second set recording the adapters' kernels, replayed when a row uses an
+        # adapter: steps of base-model rows only pay nothing for LoRA being enabled.
+        self.lora_decode_graphs: DecodeGraphs | None = None
+        # The set the last replay used (the lookahead replays its next step on the same one).
+        self._replayed: DecodeGraphs | None = None
         # Set up by `compile_decode` (CPU, not --enforce-eager).
         self.compiled_decode: CompiledDecode | None = None
         # Device slots of LoRA adapters (attached by worker/setup.py when LoRA is enabled).
@@ -145,23 +150,30 @@ class ModelRunner:
         self.compiled_decode.warm_up()
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        self.decode_graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device
-        )
+        def graphs() -> DecodeGraphs:
+            return DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, self.device)
+
+        self.decode_graphs = graphs()
+        self.decode_graphs.capture()  # no step mapping set: the adapters' kernels are not recorded
         if self.adapter_slots is not None:
-            self.adapter_slots.batch.record_graphs(self.decode_graphs.buckets)
-        self.decode_graphs.capture()
+            self.lora_decode_graphs = graphs()
+            self.adapter_slots.batch.record_graphs(self.lora_decode_graphs.buckets)
+            self.lora_decode_graphs.capture()
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's forward pass -> (hidden states of every row, or None when a graph ran;
         fp32 logits of the sampling rows, or None when no row samples)."""
         md = inputs.attn_metadata
         every_row_samples = len(inputs.sampling_rows) == md.num_tokens and not inputs.prompt_logprob_rows
-        if self.decode_graphs is not None and every_row_samples and self.decode_graphs.can_run(md):
-            if self.adapter_slots is not None:
+        lora = self.adapter_slots.batch if self.adapter_slots is not None else None
+        graphs = self.lora_decode_graphs if lora is not None and lora.active else self.decode_graphs
+        if graphs is not None and every_row_samples and graphs.can_run(md):
+            if graphs is self.lora_decode_graphs:
+                assert lora is not None
                 # The graph reads its batch size's mapping buffers: write this step's into them.
-                self.adapter_slots.batch.mapping_for(self.decode_graphs.bucket(md.num_tokens))
-            return None, self.decode_graphs.run(inputs.input_ids, inputs.positions, md)
+                lora.mapping_for(graphs.bucket(md.num_tokens))
+            self._replayed = graphs
+            return None, graphs.run(inputs.input_ids, inputs.positions, md)
         if self.compiled_decode is not None and every_row_samples and self.compiled_decode.can_run(md):
             return None, self.compiled_decode.run(inputs.input_ids, inputs.positions, md)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, md)
@@ -184,7 +196,7 @@ class ModelRunner:
     ) -> Lookahead | None:
         """Replays the next decode step of this graph batch now, if it is fully determined on the
         device (lookahead.py); None otherwise."""
-        assert self.decode_graphs is not None
+        assert self._replayed is not None
         eligible = all(
             s.stateless
             and s.sampling_params.min_tokens <= s.num_output_tokens
@@ -195,7 +207,7 @@ class ModelRunner:
                                              self.block_size, self.max_model_len) if eligible else None
         if next_slots is None:
             return None
-        logits = self.decode_graphs.run_next(result.sampled_token_ids, inputs.attn_metadata.block_tables)
+        logits = self._replayed.run_next(result.sampled_token_ids, inputs.attn_metadata.block_tables)
         # The rows' params exclude everything that reads the history (no min_tokens mask left
         # either), so the next step's metadata is this one's with the positions moved on, on the
         # device: no host data is built or copied (a pageable host->device copy would wait for the
