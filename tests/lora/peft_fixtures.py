@@ -36,6 +36,12 @@ class Adapter:
 
 def write_tiny_llama(folder: Path, seed: int = 0) -> TinyLlama:
     path, model = _build(folder, "llama", seed=seed)
+    return as_tiny_llama(path, model)
+
+
+def as_tiny_llama(path: Path, model: torch.nn.Module) -> TinyLlama:
+    """Any HF Llama-shaped model (e.g. a quantized checkpoint's dequantized reference) as the base
+    `make_adapter` puts adapters on; `path` is what the engine loads."""
     layer = model.model.layers[0]
     shapes = {}
     for name in SUPPORTED_MODULES:
