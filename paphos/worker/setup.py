@@ -24,6 +24,7 @@ from paphos.lora.slots import AdapterSlots
 from paphos.lora.spec import LoRAModelSpec, lora_model_spec
 from paphos.models.registry import resolve_model_class
 from paphos.quant.gguf.kernels import INT8_GROUPS_ON_CPU
+from paphos.quant.kernels import compiled_dequant
 from paphos.quant.registry import select_quant_config
 from paphos.sample.guided import tokenizer_info
 from paphos.tokenizer import Tokenizer
@@ -31,7 +32,7 @@ from paphos.worker.compiled_decode import use_persistent_cache
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
 from paphos.worker.profiling import profile_kv_budget
-from paphos.worker.warmup import warm_up_mixed_steps
+from paphos.worker.warmup import warm_up_mixed_steps, warm_up_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ def load_worker(config: EngineConfig) -> Worker:
     if compile_decode:
         use_persistent_cache(str(default_cache_dir().parent / "inductor"))
         runner.compile_decode(config.scheduler.max_num_seqs)
+        compiled_dequant.enable()
+        warm_up_prefill(runner, compiled_dequant.WARM_UP_TOKENS, num_blocks)
     if device.type == "cuda":
         warm_up_mixed_steps(runner, num_blocks, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
     return Worker(

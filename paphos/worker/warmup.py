@@ -23,6 +23,7 @@ import time
 
 from paphos.core.protocol import SamplingInputs
 from paphos.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from paphos.quant.kernels import compiled_dequant
 from paphos.sampling_params import SamplingParams
 from paphos.worker.model_runner import ModelRunner
 
@@ -46,23 +47,43 @@ def warm_up_mixed_steps(runner: ModelRunner, num_blocks: int, max_num_seqs: int,
     logger.info("kernels warmed up for mixed steps in %.1f s", time.perf_counter() - started)
 
 
-def _mixed_step(runner: ModelRunner, rows: int, blocks_per_request: int) -> None:
-    def new(req_id: str, index: int, num_tokens: int, params: SamplingParams) -> NewRequestData:
-        first = 1 + index * blocks_per_request
-        return NewRequestData(
-            req_id=req_id, prompt_token_ids=[1 + (index + i) % 100 for i in range(num_tokens)], output_token_ids=[],
-            sampling_params=params, sampling_inputs=SamplingInputs(),
-            block_ids=list(range(first, first + blocks_per_request)), num_computed_tokens=0,
-        )
+def warm_up_prefill(runner: ModelRunner, num_tokens: int, num_blocks: int) -> None:
+    """One prefill chunk of `num_tokens` rows (CPU): compiles the weight dequantizers that chunks of
+    that many rows or more use (quant/kernels/compiled_dequant.py), for every weight shape."""
+    started = time.perf_counter()
+    num_tokens = min(num_tokens, (num_blocks - 1) * runner.block_size)
+    request = _request(runner, "warmup-prefill", 0, num_tokens, _GREEDY, -(-num_tokens // runner.block_size))
+    with compiled_dequant.warming_up():
+        runner.execute(SchedulerOutput(
+            scheduled_new_reqs=[request], num_scheduled_tokens={request.req_id: num_tokens},
+            total_num_scheduled_tokens=num_tokens,
+        ))
+    runner.execute(SchedulerOutput(finished_req_ids={request.req_id}))
+    logger.info("weight dequantizers compiled for prefill chunks in %.1f s", time.perf_counter() - started)
 
+
+def _request(
+    runner: ModelRunner, req_id: str, index: int, num_tokens: int, params: SamplingParams, blocks_per_request: int
+) -> NewRequestData:
+    first = 1 + index * blocks_per_request
+    ids = min(100, runner.vocab_size - 1)
+    return NewRequestData(
+        req_id=req_id, prompt_token_ids=[1 + (index + i) % ids for i in range(num_tokens)], output_token_ids=[],
+        sampling_params=params, sampling_inputs=SamplingInputs(),
+        block_ids=list(range(first, first + blocks_per_request)), num_computed_tokens=0,
+    )
+
+
+def _mixed_step(runner: ModelRunner, rows: int, blocks_per_request: int) -> None:
     ids = [f"warmup-{rows}-{i}" for i in range(rows)]
     params = [_GREEDY if i % 2 == 0 else _SAMPLED for i in range(rows)]
-    prefill = [new(req_id, i, _PROMPT_TOKENS, p) for i, (req_id, p) in enumerate(zip(ids, params, strict=True))]
+    prefill = [_request(runner, req_id, i, _PROMPT_TOKENS, p, blocks_per_request)
+               for i, (req_id, p) in enumerate(zip(ids, params, strict=True))]
     runner.execute(SchedulerOutput(
         scheduled_new_reqs=prefill, num_scheduled_tokens=dict.fromkeys(ids, _PROMPT_TOKENS),
         total_num_scheduled_tokens=rows * _PROMPT_TOKENS,
     ))
-    chunk = new(f"warmup-{rows}-chunk", rows, _CHUNK_TOKENS, _SAMPLED)
+    chunk = _request(runner, f"warmup-{rows}-chunk", rows, _CHUNK_TOKENS, _SAMPLED, blocks_per_request)
     decode = [CachedRequestData(req_id, [], _PROMPT_TOKENS) for req_id in ids]
     runner.execute(SchedulerOutput(
         scheduled_new_reqs=[chunk], scheduled_cached_reqs=decode,

@@ -7,10 +7,11 @@ scales are rounded to bf16: ~2^-9 relative, far below the 4-bit step). Memory: K
 per group per row. Per-call dequantization would cost several times the matmul it feeds on the
 CPU, and a bf16 weight four times the memory traffic of the packed one, so decode stays packed.
 
-Long prefill chunks (>= DENSE_MIN_TOKENS rows) unpack the weight to bf16 and run a dense GEMM:
-int4pack's matmul does not amortise its per-value unpacking over rows. Measured on the four
-linears of one SmolLM2 layer (2 shared cores): 512 rows 26 ms int4pack vs 34 ms unpack + GEMM,
-1024 rows 54 vs 40 ms, 2048 rows 104 vs 56 ms (a bf16 GEMM alone: 11 / 21 / 39 ms). Unpacking
+Long prefill chunks unpack the weight to bf16 and run a dense GEMM: int4pack's matmul does not
+amortise its per-value unpacking over rows. Measured on the four linears of one SmolLM2 layer
+(2 shared cores), int4pack vs unpack + GEMM: with the eager unpack (15 ms a layer), 512 rows 26
+vs 34 ms, 1024 rows 54 vs 40 ms, 2048 rows 104 vs 56 ms; with the compiled one (2.2 ms,
+compiled_dequant.py), 128 rows 5.4 vs 4.7 ms, 256 rows 10.7 vs 6.7 ms, 512 rows 22 vs 11 ms. Unpacking
 reads torch's packed layout (64-row tiles: byte [tile, k, i] holds row i in its low nibble and
 row i + 32 in its high one), checked once per process against the packer itself; if a torch
 version packs differently, long chunks simply stay on int4pack.
@@ -23,7 +24,11 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from paphos.quant.kernels import compiled_dequant
+
+# Rows from which unpack + GEMM beats int4pack: with the eager and with the compiled unpack.
 DENSE_MIN_TOKENS = 768
+DENSE_MIN_TOKENS_COMPILED = 128
 TILE = 64  # output rows per tile of the packed layout
 GROUP_SIZES = (32, 64, 128, 256)
 
@@ -50,8 +55,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tupl
 def matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype (computed in bf16)."""
     xb = x.to(torch.bfloat16)
-    if x.shape[0] >= DENSE_MIN_TOKENS and packed.shape[0] % TILE == 0 and _layout_known():
-        y = F.linear(xb, unpack(packed, scale_zero, group_size))
+    dense_from = DENSE_MIN_TOKENS_COMPILED if compiled_dequant.is_enabled() else DENSE_MIN_TOKENS
+    if x.shape[0] >= dense_from and packed.shape[0] % TILE == 0 and _layout_known():
+        y = F.linear(xb, compiled_dequant.dequantize(unpack, packed, scale_zero, group_size))
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group_size, scale_zero)
     return y.to(x.dtype)

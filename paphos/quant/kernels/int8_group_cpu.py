@@ -10,15 +10,18 @@ Matmul, by caller:
     in fp32, which inductor turns into a single vectorized loop reading each code once (a 49152 x
     576 tied head on 2 cores: 1.8-2.1 ms against 3.2 ms for its bf16 copy and 2.7 ms for torch's
     int8 weight-only matmul run per group);
-  * anything else (eager steps, several rows): row chunks dequantized to the activation dtype and a
-    GEMM, the numerics of a weight dequantized at load, with the weight's bytes read and written
-    once more per call: prefill amortises that over its rows, and eager mode accepts it.
+  * anything else (eager steps, several rows): row chunks dequantized to the activation dtype (by
+    the compiled dequantizer when the decode step is compiled, compiled_dequant.py) and a GEMM,
+    the numerics of a weight dequantized at load, with the weight's bytes read and written once
+    more per call: prefill amortises that over its rows, and eager mode accepts it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from paphos.quant.kernels import compiled_dequant
 
 CHUNK_ROWS = 8192  # rows dequantized at a time on the GEMM path (bounds its scratch memory)
 
@@ -52,7 +55,8 @@ def matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tens
         per_group = xg * q.view(1, n, groups, k // groups).float()
         return (per_group * scales.view(1, n, groups, 1)).sum((-2, -1)).to(x.dtype)
     return torch.cat(
-        [F.linear(x, dequantize_rows(q[i : i + CHUNK_ROWS], scales[i : i + CHUNK_ROWS], x.dtype))
+        [F.linear(x, compiled_dequant.dequantize(dequantize_rows, q[i : i + CHUNK_ROWS], scales[i : i + CHUNK_ROWS],
+                                                 x.dtype))
          for i in range(0, n, CHUNK_ROWS)],
         dim=-1,
     )  # fmt: skip
