@@ -36,7 +36,6 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -53,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from timing import graph_time  # noqa: E402
+from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from paphos.layers import pdl  # noqa: E402
 from paphos.quant.kernels import int_layout  # noqa: E402
@@ -231,24 +230,6 @@ def precompile(work: list[tuple[str, str, int, Candidate]], workers: int) -> dic
 
 
 # ---------------------------------------------------------------------------- measurements
-
-
-def copy_bandwidth() -> float:
-    n = 2 << 30
-    buffers = torch.empty(2, n, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        buffers[1].copy_(buffers[0])
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        buffers[1].copy_(buffers[0])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del buffers
-    torch.cuda.empty_cache()
-    return 2 * n / statistics.median(times)
 
 
 def measure_shape(

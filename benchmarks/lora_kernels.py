@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from timing import graph_time  # noqa: E402
+from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from paphos.lora.kernels import LoRAMapping, build_mapping, expand_ref, shrink_ref  # noqa: E402
 
@@ -76,25 +76,6 @@ LAYERS = 32
 L2_BYTES = 60 << 20  # H200 (H100: 50 MiB)
 MAX_COPY_BYTES = 8 << 30
 DTYPE = torch.bfloat16
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a device-to-device copy (read + write) of 2 GiB."""
-    n = 2 << 30
-    buffers = torch.empty(2, n, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        buffers[1].copy_(buffers[0])
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        buffers[1].copy_(buffers[0])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del buffers
-    torch.cuda.empty_cache()
-    return 2 * n / statistics.median(times)
 
 
 def eager_time(fns: list[Callable[[], object]], device: torch.device, min_calls: int = 50) -> float:

@@ -33,3 +33,25 @@ def graph_time(fns: list[Callable[[], object]], calls: int = 64) -> float:
         times.append(start.elapsed_time(end) / 1e3 / calls)
     del graph
     return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (read + write) of 2 GiB: the denominator of the
+    benchmarks' "fraction of copy bandwidth"."""
+    import torch
+
+    n = 2 << 30
+    buffers = torch.empty(2, n, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        buffers[1].copy_(buffers[0])
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        buffers[1].copy_(buffers[0])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del buffers
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(times)

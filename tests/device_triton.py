@@ -1,9 +1,11 @@
 """The H200 image's triton (3.6), installed by `make install` beside the venv's own: the sm_90
-compile tests run once with each, since a kernel may lower under one and not the other."""
+compile tests run once with each, since a kernel may lower under one and not the other; and the
+compile itself, which those tests' child processes run (`compile_sm90`)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,3 +22,30 @@ def compile_env(triton_path: Path | None) -> dict[str, str]:
         assert (triton_path / "triton").is_dir(), f"{triton_path} is missing: run `make install`"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(triton_path), env.get("PYTHONPATH")]))
     return env
+
+
+def compile_sm90(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int,
+                 ints: dict[str, int] | None = None, stages: int = 3) -> str:  # fmt: skip
+    """PTX of the kernel for sm_90 with ptxas' resource usage appended (cuobjdump of the cubin);
+    pointers 16-byte aligned and integer arguments specialised as a launch does (`ints`: their
+    values, a multiple of 16 is marked divisible)."""
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**args, **{name: "constexpr" for name in constexprs}}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(signature)
+        if args.get(name, "").startswith("*") or (ints or {}).get(name, 1) % 16 == 0
+    }
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+    return kernel.asm["ptx"] + usage

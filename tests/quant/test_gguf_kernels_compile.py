@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.device_triton import TRITON_IDS, TRITONS, compile_env
+from tests.device_triton import TRITON_IDS, TRITONS, compile_env, compile_sm90
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,33 +32,6 @@ def test_gguf_kernels_compile_for_sm90(triton_path: Path | None) -> None:
 
 
 _POINTER = {0: "*fp16", 1: "*i8", 2: "*u8"}
-
-
-def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int,
-             ints: dict[str, int] | None = None) -> str:
-    """PTX of the kernel for sm_90, with ptxas' resource usage appended (cuobjdump of the cubin).
-    `ints`: values of integer arguments, specialised as a launch does (a multiple of 16)."""
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**args, **{name: "constexpr" for name in constexprs}}
-    # pointers 16-byte aligned and sizes multiples of 16, as the launches specialise them
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(signature)
-        if args.get(name, "").startswith("*") or (ints or {}).get(name, 1) % 16 == 0
-    }
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})  # fmt: skip
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
-    return kernel.asm["ptx"] + usage
 
 
 def _plane_args(fmt: object, lo: str = "*i32", hi: str = "*i32") -> dict[str, str]:
@@ -84,7 +57,7 @@ def _integer_gemv(type_name: str, rows: int, k: int) -> None:
                       RPP=cfg.rows_per_program, ASM=True, PDL=True)  # fmt: skip
     ints = dict(N=rows, K=k, stride_lo=k * fmt.lo // 32, stride_hi=k * fmt.hi // 16, stride_g=k // fmt.sg,
                 stride_s=k // 256)  # fmt: skip
-    ptx = _compile(gemv._gemv_int8_kernel, args, constexprs, cfg.num_warps, ints)
+    ptx = compile_sm90(gemv._gemv_int8_kernel, args, constexprs, cfg.num_warps, ints)
     assert "dp4a.s32.s32" in ptx and "STACK:0 " in ptx, ptx[-300:]  # no register spills
     assert "griddepcontrol.wait" in ptx
 
@@ -96,7 +69,7 @@ def _quantize_x(type_name: str) -> None:
     fmt = planes.FORMATS[type_name]
     args = {"x_ptr": "*bf16", "q_ptr": "*i32", "f_ptr": "*fp32", "n_groups": "i32"}
     constexprs = dict(LO=fmt.lo, TW=fmt.tile_words, TB=x_int8.QUANTIZE_GROUPS, PDL=True)
-    ptx = _compile(x_int8._quantize_x_kernel, args, constexprs, 1, {"n_groups": 256})
+    ptx = compile_sm90(x_int8._quantize_x_kernel, args, constexprs, 1, {"n_groups": 256})
     assert "STACK:0 " in ptx and "griddepcontrol.wait" in ptx
 
 
@@ -111,11 +84,11 @@ def _x_producer(kernel_name: str, type_name: str) -> None:
     if kernel_name == "add_rmsnorm":
         args = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
                 **parts, "n_cols": "i32", "eps": "fp32", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
-        ptx = _compile(fused._add_rmsnorm_kernel, args, dict(HAS_RESIDUAL=True, BLOCK=4096, **quant), 4,
+        ptx = compile_sm90(fused._add_rmsnorm_kernel, args, dict(HAS_RESIDUAL=True, BLOCK=4096, **quant), 4,
                        dict(n_cols=4096, stride_x=4096, stride_res=4096, stride_out=4096))
     else:
         args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **parts, "n_cols": "i32", "stride_x": "i32", "stride_out": "i32"}
-        ptx = _compile(fused._silu_and_mul_kernel, args, dict(BLOCK=1024, **quant), 4,
+        ptx = compile_sm90(fused._silu_and_mul_kernel, args, dict(BLOCK=1024, **quant), 4,
                        dict(n_cols=14336, stride_x=28672, stride_out=14336))
     assert "STACK:0 " in ptx and "griddepcontrol.wait" in ptx and "bar.sync" in ptx
 
@@ -131,7 +104,7 @@ def _float_gemv(type_name: str) -> None:
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
                       SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=2, KC=64 * fmt.tile_values, EVEN_K=False,
                       PDL=True)  # fmt: skip
-    assert "STACK:0 " in _compile(gemv._gemv_kernel, args, constexprs, 2)
+    assert "STACK:0 " in compile_sm90(gemv._gemv_kernel, args, constexprs, 2)
 
 
 def _fused(type_name: str, block_m: int) -> None:
@@ -144,7 +117,7 @@ def _fused(type_name: str, block_m: int) -> None:
     args |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "iters_per_split")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
                       SCMIN_NIB=fmt.scmin_nib, BM=block_m, BN=32, BK=128, ATOMIC=True, DOT_F32=False)  # fmt: skip
-    assert _compile(tg._fused_kernel, args, constexprs, 4)
+    assert compile_sm90(tg._fused_kernel, args, constexprs, 4)
 
 
 def _gather(type_name: str) -> None:
@@ -156,7 +129,7 @@ def _gather(type_name: str) -> None:
     args |= {n: "i32" for n in ("T", "K", "stride_o")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
                       SCMIN_NIB=fmt.scmin_nib, BN=16, BK=256)  # fmt: skip
-    assert _compile(tg._gather_kernel, args, constexprs, 4)
+    assert compile_sm90(tg._gather_kernel, args, constexprs, 4)
 
 
 CASES = {

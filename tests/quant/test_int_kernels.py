@@ -33,7 +33,7 @@ import torch
 
 from paphos.quant.kernels import int_layout, split_k
 from paphos.quant.kernels.int_layout import IntSpec
-from tests.device_triton import TRITON_IDS, TRITONS, compile_env
+from tests.device_triton import TRITON_IDS, TRITONS, compile_env, compile_sm90
 from tests.triton_interpreted import interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,34 +236,6 @@ def test_int_kernels_compile_for_sm90(triton_path: Path | None) -> None:
     assert len(compiled) == len(CASES) and all(line.endswith(":ok") for line in compiled), done.stdout
 
 
-def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int, ints: dict[str, int],
-             stages: int = 3) -> str:  # fmt: skip
-    """PTX of the kernel for sm_90 with ptxas' resource usage appended; pointers 16-byte aligned
-    and integer arguments specialised as a launch does (`ints`: their values)."""
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**args, **{name: "constexpr" for name in constexprs}}
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(signature)
-        if args.get(name, "").startswith("*") or ints.get(name, 1) % 16 == 0
-    }
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})  # fmt: skip
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run(
-            [str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True
-        ).stdout
-    return kernel.asm["ptx"] + usage
-
-
 def _gemm(bits: int, zeros: bool, dtype: str, m: int) -> None:
     """The launch `gemm_config` picks at M tokens for a 4096 x 4096 weight."""
     from paphos.quant.kernels import triton_int as ti
@@ -280,7 +252,7 @@ def _gemm(bits: int, zeros: bool, dtype: str, m: int) -> None:
     constexprs = dict(BITS=bits, HAS_Z=zeros, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                       ONE_GROUP=True, SPLIT=cfg.split_k > 1, ASM=True, PACKED=True, BYTES=by_bytes,
                       SCALE_AFTER=by_bytes and cfg.scale_after, PDL=True)  # fmt: skip
-    ptx = _compile(ti._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+    ptx = compile_sm90(ti._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "wgmma.mma_async" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
     if bits == 4:
         assert ("sub.rn.f16x2" if dtype == "*fp16" else "sub.rn.bf16x2") in ptx
@@ -307,7 +279,7 @@ def _gemv(bits: int, zeros: bool, k: int, m: int) -> None:
     constexprs = dict(BITS=bits, HAS_Z=zeros, BN=cfg.block_n, T=1 << (k // spec.tile_values - 1).bit_length(),
                       RPP=cfg.rows_per_program if m == 1 else cfg.block_n, MULTI=m > 1, ASM=True,
                       PDL=True)  # fmt: skip
-    ptx = _compile(ti._gemv_kernel, args, constexprs, cfg.num_warps, ints)
+    ptx = compile_sm90(ti._gemv_kernel, args, constexprs, cfg.num_warps, ints)
     assert "dp4a.s32.s32" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
 
 
@@ -316,7 +288,7 @@ def _permute_quantize() -> None:
     from paphos.quant.kernels import triton_int as ti
 
     args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "q_ptr": "*i32", "f_ptr": "*fp32", "K": "i32", "n_groups": "i32"}
-    ptx = _compile(ti._permute_quantize_kernel, args, dict(LO=4, TB=x_int8.QUANTIZE_GROUPS, PDL=True), 1,
+    ptx = compile_sm90(ti._permute_quantize_kernel, args, dict(LO=4, TB=x_int8.QUANTIZE_GROUPS, PDL=True), 1,
                    dict(K=4096, n_groups=128))  # fmt: skip
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
@@ -333,7 +305,7 @@ def _dequant(bits: int) -> None:
         **{n: "i32" for n in ints},
     }
     constexprs = dict(BITS=bits, HAS_Z=True, BN=32, BK=128, ONE_GROUP=True, ASM=True)
-    assert "STACK:0 " in _compile(ti._dequant_kernel, args, constexprs, 4, ints)
+    assert "STACK:0 " in compile_sm90(ti._dequant_kernel, args, constexprs, 4, ints)
 
 
 CASES = {

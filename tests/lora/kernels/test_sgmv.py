@@ -35,7 +35,7 @@ import torch
 
 from paphos.lora.kernels import LoRAMapping, build_mapping, expand_ref, shrink_ref
 from paphos.quant.kernels import split_k
-from tests.device_triton import TRITON_IDS, TRITONS, compile_env
+from tests.device_triton import TRITON_IDS, TRITONS, compile_env, compile_sm90
 from tests.triton_interpreted import interpreted
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -253,32 +253,6 @@ def test_lora_kernels_compile_for_sm90(triton_path: Path | None) -> None:
     assert len(compiled) == len(COMPILES) and all(line.endswith(":ok") for line in compiled), done.stdout
 
 
-def _compile(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int, stages: int,
-             ints: dict[str, int]) -> str:  # fmt: skip
-    """PTX for sm_90 with ptxas' resource usage appended; pointers 16-byte aligned and integer
-    arguments specialised as a launch does (`ints`: their values)."""
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**args, **{name: "constexpr" for name in constexprs}}
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, name in enumerate(signature)
-        if args.get(name, "").startswith("*") or ints.get(name, 1) % 16 == 0
-    }
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})  # fmt: skip
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
-    return kernel.asm["ptx"] + usage
-
-
 _MAPPING_ARGS = {"ids_ptr": "*i32", "starts_ptr": "*i32", "ranks_ptr": "*i32"}
 
 
@@ -293,7 +267,7 @@ def _shrink(t_cap: int, slots: int, n: int, k: int) -> None:
             **_MAPPING_ARGS, **{name: "i32" for name in ints}}  # fmt: skip
     constexprs = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SP=max(2, ts._pow2(slots)), SPLIT=cfg.split_k,
                       EVEN_K=True, F32=False, ASM=True, PDL=True)  # fmt: skip
-    ptx = _compile(ts._shrink_kernel, args, constexprs, cfg.num_warps, cfg.num_stages, ints)
+    ptx = compile_sm90(ts._shrink_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "mma" in ptx and "bf16" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
     if cfg.split_k > 1:
         assert "fence.acq_rel.gpu" in ptx and "atom.global" in ptx
@@ -308,7 +282,7 @@ def _expand(t_cap: int, slices: tuple[int, ...], r: int) -> None:
     args = {"h_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", **_MAPPING_ARGS, **{name: "i32" for name in ints}}
     constexprs = dict(SLICES=slices, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SP=4, EVEN_R=r % cfg.block_k == 0,
                       PRECISION="tf32", PDL=True)  # fmt: skip
-    ptx = _compile(ts._expand_kernel, args, constexprs, cfg.num_warps, cfg.num_stages, ints)
+    ptx = compile_sm90(ts._expand_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "mma" in ptx and "tf32" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
 
 
