@@ -231,11 +231,14 @@ def test_configs_follow_the_shape() -> None:
 
     decode = triton_sgmv.shrink_config(1, 16, 48, 4096)  # one token: K split as far as it goes
     assert (decode.block_m, decode.block_n, decode.split_k) == (16, 16, triton_sgmv.MAX_SPLIT_K)
-    many = triton_sgmv.shrink_config(64, 16, 192, 4096)  # 16 slots x 12 row tiles fill the SMs already
-    assert many.split_k == 1
+    many = triton_sgmv.shrink_config(64, 16, 192, 4096)  # decode splits finely even with 16 slots
+    assert many.split_k == triton_sgmv.MAX_SPLIT_K
     prefill = triton_sgmv.shrink_config(512, 1, 192, 4096)
     assert (prefill.block_m, prefill.block_n, prefill.block_k) == (64, 64, 64) and prefill.split_k > 1
-    assert triton_sgmv.expand_config(16, 28672, 64) == triton_sgmv.ExpandConfig(16, 64, 32)
+    busy = triton_sgmv.shrink_config(8192, 16, 192, 4096)  # prefill tiles fill the SMs: no split
+    assert busy.split_k == 1
+    assert triton_sgmv.expand_config(16, 4096, 64) == triton_sgmv.ExpandConfig(16, 64, 32)
+    assert triton_sgmv.expand_config(16, 28672, 64) == triton_sgmv.ExpandConfig(16, 128, 32, num_warps=8)
     assert triton_sgmv.expand_config(512, 4096, 16) == triton_sgmv.ExpandConfig(64, 64, 16)
 
 
