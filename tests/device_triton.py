@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 DEVICE_TRITON = Path(sys.prefix) / "triton-3.6"
 TRITONS = [None, DEVICE_TRITON]
 TRITON_IDS = ["installed triton", "triton 3.6"]
@@ -49,3 +51,23 @@ def compile_sm90(fn: object, args: dict[str, str], constexprs: dict[str, object]
         cubin.flush()
         usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
     return kernel.asm["ptx"] + usage
+
+
+def check_compiles_in_child(module: str, cases: Mapping[str, tuple], triton_path: Path | None) -> None:
+    """Runs `python -m module` (whose main is `run_compiles(cases)`) without the interpreter and
+    with the chosen triton: every case must print `<name>:ok`."""
+    done = subprocess.run(
+        [sys.executable, "-m", module], env=compile_env(triton_path), cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    compiled = done.stdout.split()
+    assert len(compiled) == len(cases) and all(line.endswith(":ok") for line in compiled), done.stdout
+
+
+def run_compiles(cases: Mapping[str, tuple[Callable[..., None], ...]]) -> None:
+    """The child side of `check_compiles_in_child`: each case's compile, then `<name>:ok`."""
+    sys.path.insert(0, str(ROOT))
+    for name, (fn, *args) in cases.items():
+        fn(*args)
+        print(f"{name}:ok", flush=True)

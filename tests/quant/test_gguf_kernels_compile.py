@@ -9,26 +9,16 @@ with the installed triton and once with the H200 image's (tests/device_triton.py
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.device_triton import TRITON_IDS, TRITONS, compile_env, compile_sm90
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
 
 
 @pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
 def test_gguf_kernels_compile_for_sm90(triton_path: Path | None) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.quant.test_gguf_kernels_compile"], env=compile_env(triton_path), cwd=ROOT,
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    compiled = done.stdout.split()
-    assert len(compiled) == len(CASES) and all(line.endswith(":ok") for line in compiled), done.stdout
+    check_compiles_in_child("tests.quant.test_gguf_kernels_compile", CASES, triton_path)
 
 
 _POINTER = {0: "*fp16", 1: "*i8", 2: "*u8"}
@@ -145,7 +135,4 @@ CASES = {
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    for name, (fn, *args) in CASES.items():
-        fn(*args)
-        print(f"{name}:ok", flush=True)
+    run_compiles(CASES)

@@ -23,8 +23,6 @@ The kernel modules are (re)imported interpreted here, as in test_gguf_triton.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,10 +31,9 @@ import torch
 
 from paphos.quant.kernels import int_layout, split_k
 from paphos.quant.kernels.int_layout import IntSpec
-from tests.device_triton import TRITON_IDS, TRITONS, compile_env, compile_sm90
+from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
 from tests.triton_interpreted import interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 _MODULE = "paphos.quant.kernels.triton_int"
 _KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv", "paphos.quant.kernels.split_k")
 
@@ -227,13 +224,7 @@ def test_supports_and_int8_layout(ti) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
 def test_int_kernels_compile_for_sm90(triton_path: Path | None) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.quant.test_int_kernels"], env=compile_env(triton_path), cwd=ROOT,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    compiled = done.stdout.split()
-    assert len(compiled) == len(CASES) and all(line.endswith(":ok") for line in compiled), done.stdout
+    check_compiles_in_child("tests.quant.test_int_kernels", CASES, triton_path)
 
 
 def _gemm(bits: int, zeros: bool, dtype: str, m: int) -> None:
@@ -324,7 +315,4 @@ CASES = {
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    for name, (fn, *args) in CASES.items():
-        fn(*args)
-        print(f"{name}:ok", flush=True)
+    run_compiles(CASES)

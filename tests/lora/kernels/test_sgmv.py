@@ -23,8 +23,6 @@ What the GPU computes and how fast: benchmarks/lora_kernels.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +33,9 @@ import torch
 
 from paphos.lora.kernels import LoRAMapping, build_mapping, expand_ref, shrink_ref
 from paphos.quant.kernels import split_k
-from tests.device_triton import TRITON_IDS, TRITONS, compile_env, compile_sm90
+from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
 from tests.triton_interpreted import interpreted
 
-ROOT = Path(__file__).resolve().parents[3]
 _MODULES = ("paphos.layers.pdl", "paphos.quant.kernels.split_k", "paphos.lora.kernels.triton_sgmv")
 
 
@@ -247,13 +244,7 @@ def test_configs_follow_the_shape() -> None:
 
 @pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
 def test_lora_kernels_compile_for_sm90(triton_path: Path | None) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.lora.kernels.test_sgmv"], env=compile_env(triton_path), cwd=ROOT,
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    compiled = done.stdout.split()
-    assert len(compiled) == len(COMPILES) and all(line.endswith(":ok") for line in compiled), done.stdout
+    check_compiles_in_child("tests.lora.kernels.test_sgmv", COMPILES, triton_path)
 
 
 _MAPPING_ARGS = {"ids_ptr": "*i32", "starts_ptr": "*i32", "ranks_ptr": "*i32"}
@@ -300,7 +291,4 @@ COMPILES = {
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    for name, (fn, *args) in COMPILES.items():
-        fn(*args)
-        print(f"{name}:ok", flush=True)
+    run_compiles(COMPILES)
