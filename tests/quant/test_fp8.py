@@ -549,7 +549,7 @@ def test_small_m_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
 def compile_small_m() -> None:
     """In a child process without the interpreter: compile `_small_m_kernel` for sm_90."""
     from paphos.quant.kernels import fp8 as k8
-    from tests.quant.test_int_kernels import _compile
+    from tests.device_triton import compile_sm90
 
     cfg = k8.DEFAULT_SMALL_M
     for label, split in (("split", True), ("whole", False)):
@@ -559,7 +559,7 @@ def compile_small_m() -> None:
         args |= {name: "i32" for name in ints}
         constexprs = dict(F8_MMA=True, HAS_BIAS=False, BN=cfg.block_n, BM=16, BK=cfg.block_k, EVEN_K=True,
                           SPLIT=split, PDL=True)  # fmt: skip
-        ptx = _compile(k8._small_m_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+        ptx = compile_sm90(k8._small_m_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
         assert "wgmma.mma_async" in ptx and "e4m3" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
         assert "STACK:0 " in ptx, ptx[-300:]
         if split:
