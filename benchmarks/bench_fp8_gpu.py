@@ -40,7 +40,6 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -56,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from timing import graph_time  # noqa: E402
+from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from paphos.layers import pdl  # noqa: E402
 from paphos.layers.linear import Linear, QKVLinear  # noqa: E402
@@ -331,22 +330,7 @@ def section_env(results: dict[str, Any], args: argparse.Namespace) -> dict[str, 
 
 
 def section_ceilings(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    n = 2 << 30
-    buf = torch.empty(2, n, dtype=torch.uint8, device=DEV)
-    for _ in range(3):
-        buf[1].copy_(buf[0])
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        buf[1].copy_(buf[0])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del buf
-    torch.cuda.empty_cache()
-    results["copy_bw"] = 2 * n / statistics.median(times)
+    results["copy_bw"] = copy_bandwidth()
     return {"copy_GBps": results["copy_bw"] / 1e9}
 
 

@@ -128,6 +128,3 @@ class AdapterHostCache:
     @property
     def num_cached(self) -> int:
         return len(self._entries)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

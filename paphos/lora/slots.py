@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from paphos.lora.host_cache import AdapterHostCache
+from paphos.lora.kernels import triton_sgmv
 from paphos.lora.layers import LoRABatch, LoRALinear, adapter_slices
 from paphos.lora.spec import LORA_TARGETS
 
@@ -33,8 +34,8 @@ class AdapterSlots:
     ) -> None:
         self.host = host
         self.num_slots = num_slots
-        use_triton = device.type == "cuda"
-        self.batch = LoRABatch(num_slots, device, use_triton)
+        # The Triton kernels where they run (a GPU with 16-bit tensor cores), the reference elsewhere.
+        self.batch = LoRABatch(num_slots, device, triton_sgmv.supports(device))
         # (layer index, PEFT modules of the projection, its LoRALinear), for slot loads.
         self.projections: list[tuple[int, tuple[str, ...], LoRALinear]] = []
         for layer_idx, layer in enumerate(model.model.layers):
