@@ -31,6 +31,11 @@ Per case:
 decode cases and reports the best against the default rule (`shrink_config`, `expand_config`):
 about 20 launches per case, so narrow it (e.g. --ranks 64/64 --tokens 1x1,16x4,64x16).
 
+`--with-base` also times, graph-replayed, each projection's base matmul (bf16 cuBLAS, x W^T)
+alone, then with the adapters as the engine runs them (`LoRALinear.begin` / `finish`: the shrink
+on a side stream beside the base matmul, then the expand) and with shrink, matmul and expand in
+one stream: what LoRA adds to a layer is the difference.
+
 Printed: one row per case, then per R/rank, tokens and slots the sum over a layer's four
 projections (graph-replayed shrink + expand) and that times 32 layers. JSON (--out, default
 $OUT/lora_kernels.json when OUT is set): every figure, rewritten after each case.
@@ -59,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from timing import copy_bandwidth, graph_time  # noqa: E402
 
 from paphos.lora.kernels import LoRAMapping, build_mapping, expand_ref, shrink_ref  # noqa: E402
+from paphos.lora.layers import LoRABatch, LoRALinear  # noqa: E402
 
 # name -> (K, output slice offsets)
 PROJECTIONS = {
@@ -162,10 +168,10 @@ def sweep(case: Case, ts: Any) -> dict[str, Any]:
     n, o = case.ns * case.r, case.slices[-1]
     default_s = ts.shrink_config(case.tokens, NUM_SLOTS, n, case.k)
     default_e = ts.expand_config(case.tokens, o, case.r)
-    shrinks = {default_s} | {ts.ShrinkConfig(16, bn, bk, split) for bn in (16, 32) for bk in (64, 128)
+    shrinks = {default_s} | {ts.ShrinkConfig(bn, bk, split) for bn in (16, 32) for bk in (64, 128)
                              for split in (1, 4, 16)}  # fmt: skip
-    expands = {default_e} | {ts.ExpandConfig(16, bn, bk, 8 if bn == 128 else 4) for bn in (32, 64, 128)
-                             for bk in (16, 32) if case.r % bk == 0}  # fmt: skip
+    expands = {default_e} | {ts.ExpandConfig(bn, bk, 8 if bn == 128 else 4, col_blocks=cb) for bn in (32, 64, 128)
+                             for bk in (16, 32) if case.r % bk == 0 for cb in (1, 2, 4)}  # fmt: skip
     out: dict[str, Any] = {"shrink": {}, "expand": {}}
     for cfg in sorted(shrinks, key=str):
         fns = [lambda a=a, cfg=cfg: ts.lora_shrink(case.x, a, case.mapping, case.h, n_slices=case.ns, cfg=cfg)
@@ -181,8 +187,33 @@ def sweep(case: Case, ts: Any) -> dict[str, Any]:
     return out
 
 
+def with_base(case: Case, ts: Any) -> dict[str, float]:
+    """Graph-replayed us of the projection's base matmul alone, with LoRA as the engine applies
+    it (shrink on the side stream) and with all three in one stream."""
+    o = case.slices[-1]
+    weight = torch.randn(o, case.k, device=case.x.device).to(DTYPE) / case.k**0.5
+    batch = LoRABatch(NUM_SLOTS, case.x.device, use_triton=True)
+    batch.set(np.arange(case.tokens) % case.used, [case.rank] * NUM_SLOTS)
+    lora = LoRALinear(list(np.diff(case.slices)), case.k, case.r, batch, DTYPE)
+    lora.a.copy_(case.a[0])
+    lora.b.copy_(case.b[0])
+
+    def engine() -> None:
+        pending = lora.begin(case.x)
+        lora.finish(pending, torch.nn.functional.linear(case.x, weight))
+
+    def one_stream() -> None:
+        y = torch.nn.functional.linear(case.x, weight)
+        ts.lora_shrink(case.x, case.a[0], case.mapping, case.h, n_slices=case.ns)
+        ts.lora_expand(case.h, case.b[0], case.slices, case.mapping, y)
+
+    return {"base_us": graph_time([lambda: torch.nn.functional.linear(case.x, weight)]) * 1e6,
+            "base_lora_us": graph_time([engine]) * 1e6,
+            "base_lora_one_stream_us": graph_time([one_stream]) * 1e6}  # fmt: skip
+
+
 def measure(name: str, r: int, rank: int, tokens: int, used: int, device: torch.device, small: bool,
-            bw: float | None, ts: Any, do_sweep: bool) -> dict[str, Any]:  # fmt: skip
+            bw: float | None, ts: Any, do_sweep: bool, do_base: bool = False) -> dict[str, Any]:  # fmt: skip
     k, slices = (SMALL_PROJECTIONS if small else PROJECTIONS)[name]
     copies = weight_copies(k, slices, r, rank, used) if device.type == "cuda" else 1
     case = Case(k, slices, r, rank, tokens, used, device, copies)
@@ -219,6 +250,8 @@ def measure(name: str, r: int, rank: int, tokens: int, used: int, device: torch.
     row["frac_copy_bw"] = row["GBps"] * 1e9 / bw if bw else None
     if do_sweep and tokens <= 64:
         row["sweep"] = sweep(case, ts)
+    if do_base:
+        row |= with_base(case, ts)
     return row
 
 
@@ -244,6 +277,9 @@ def layer_sums(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         entry = sums.setdefault(label, {"us": 0.0, "projections": 0})
         entry["us"] += row[key]
         entry["projections"] += 1
+        if "base_us" in row:  # what LoRA adds beside the base matmuls, as the engine runs it
+            for what in ("base_lora_us", "base_lora_one_stream_us"):
+                entry[f"added_{what}"] = entry.get(f"added_{what}", 0.0) + row[what] - row["base_us"]
     for entry in sums.values():
         entry[f"us_x{LAYERS}_layers"] = entry["us"] * LAYERS
     return sums
@@ -256,6 +292,8 @@ def main() -> None:
     default_out = os.path.join(os.environ["OUT"], "lora_kernels.json") if os.environ.get("OUT") else None
     parser.add_argument("--out", default=default_out)
     parser.add_argument("--sweep", action="store_true", help="also time other launch configurations (decode)")
+    parser.add_argument("--with-base", action="store_true",
+                        help="also time each projection's base matmul alone and with LoRA beside it")  # fmt: skip
     parser.add_argument("--projections", default=",".join(PROJECTIONS))
     parser.add_argument("--ranks", default=None, help="R/rank pairs, e.g. 16/16,64/16")
     parser.add_argument("--tokens", default=None, help="tokens x slots used, e.g. 1x1,64x16")
@@ -292,7 +330,8 @@ def main() -> None:
     for name in args.projections.split(","):
         for r, rank in ranks:
             for t, used in tokens:
-                row = measure(name, r, rank, t, used, device, args.small, bw, ts, args.sweep)
+                row = measure(name, r, rank, t, used, device, args.small, bw, ts, args.sweep,
+                              args.with_base and ts is not None)  # fmt: skip
                 print_row(row)
                 results["rows"].append(row)
                 if device.type == "cuda":
@@ -304,7 +343,11 @@ def main() -> None:
     print(f"\nlayer = {' + '.join(args.projections.split(','))}, shrink + expand "
           f"({'graph-replayed' if ts else 'reference, eager'}); us, and x {LAYERS} layers")  # fmt: skip
     for label, entry in results["layer"].items():
-        print(f"{label:36} {entry['us']:9.1f} {entry[f'us_x{LAYERS}_layers']:10.1f}")
+        added = ""
+        if "added_base_lora_us" in entry:
+            added = (f"   added to the base matmuls: {entry['added_base_lora_us']:7.1f} (side stream), "
+                     f"{entry['added_base_lora_one_stream_us']:7.1f} (one stream)")  # fmt: skip
+        print(f"{label:36} {entry['us']:9.1f} {entry[f'us_x{LAYERS}_layers']:10.1f}{added}")
     if args.sweep:
         print("\nsweep (decode): best against the default rule, us")
         for row in results["rows"]:

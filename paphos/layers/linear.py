@@ -36,9 +36,13 @@ class LinearMethod(Protocol):
 
 
 class AdapterDelta(Protocol):
-    """What LoRA adds beside the base matmul (paphos/lora/layers.py): y += delta(x), in place."""
+    """What LoRA adds beside the base matmul (paphos/lora/layers.py): y += delta(x), in place.
+    `begin(x)` is called before the base matmul (the part that needs only x may run beside it)
+    and its result is handed to `finish` with the base output."""
 
-    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    def begin(self, x: torch.Tensor) -> object: ...
+
+    def finish(self, pending: object, y: torch.Tensor) -> torch.Tensor: ...
 
 
 class QuantConfig(Protocol):
@@ -94,8 +98,10 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
-        return y if self.lora is None else self.lora.add_to(x, y)
+        if self.lora is None:
+            return self.quant_method.apply(self, x, self.bias)
+        pending = self.lora.begin(x)
+        return self.lora.finish(pending, self.quant_method.apply(self, x, self.bias))
 
     def shard_index(self, shard_id: object) -> int:
         raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")

@@ -1,8 +1,13 @@
 """The adapters' contribution to one projection: y += B_s (A_s x) for each token's adapter slot s.
 
-Data flow: model layer -> LinearBase.forward -> base matmul (any weight format) -> `LoRALinear.add_to`
--> shrink / expand kernels (kernels/) over the step's `LoRABatch` mapping. The adapter acts on the
-activations beside the base weights, so no weight format is dequantized for it.
+Data flow: model layer -> LinearBase.forward -> `LoRALinear.begin(x)` (the shrink, h = A x) -> base
+matmul (any weight format) -> `LoRALinear.finish` (the expand, y += B h) -> kernels/ over the
+step's `LoRABatch` mapping. The adapter acts on the activations beside the base weights, so no
+weight format is dequantized for it.
+
+On the GPU the shrink runs on a side stream, forked after x is ready and joined before the
+expand, so it overlaps the base matmul (CUDA graphs record the two branches): a decode step's
+shrink is a few microseconds of latency, not of bandwidth, and hides behind a weight-bound GEMM.
 
 Per projection the device holds every slot's weights stacked and zero-padded to --max-lora-rank:
 `a` [S, n_slices * R, in] and `b` [S, out, R], where a merged projection (q|k|v, gate|up) keeps
@@ -33,7 +38,9 @@ class LoRABatch:
     def __init__(self, num_slots: int, device: torch.device, use_triton: bool) -> None:
         self.num_slots = num_slots
         self.device = device
-        self.use_triton = use_triton
+        # The Triton kernels' stream for the shrinks beside the base matmuls (module docstring);
+        # None: the torch reference, in order.
+        self.side_stream = torch.cuda.Stream(device) if use_triton else None
         # Whether the forward runs the adapters: some token of the step uses one, or a CUDA
         # graph is being recorded (its replays then always run them).
         self.active = False
@@ -107,18 +114,35 @@ class LoRALinear:
             self.a[slot, r0 : r0 + rank].copy_(a, non_blocking=True)
             self.b[slot, self.slice_starts[j] : self.slice_starts[j + 1], :rank].copy_(b, non_blocking=True)
 
-    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def begin(self, x: torch.Tensor) -> tuple[torch.Tensor, LoRAMapping] | None:
+        """h = x A^T per token (None when no token of the step uses an adapter). h is allocated
+        on the main stream before the fork: the main stream frees it after the expand, which
+        follows the join."""
         batch = self.batch
         if not batch.active:
-            return y
+            return None
         mapping = batch.mapping_for(x.shape[0])
         h = torch.empty(mapping.capacity, self.a.shape[1], dtype=torch.float32, device=x.device)
-        if batch.use_triton:
-            lora_shrink(x, self.a, mapping, h, n_slices=self.num_slices)
-            lora_expand(h, self.b, self.slice_starts, mapping, y)
-        else:
+        side = batch.side_stream
+        if side is None:
             shrink_ref(x, self.a, mapping, h)
+        else:
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                lora_shrink(x, self.a, mapping, h, n_slices=self.num_slices)
+        return h, mapping
+
+    def finish(self, pending: tuple[torch.Tensor, LoRAMapping] | None, y: torch.Tensor) -> torch.Tensor:
+        """y += h B^T per token, in place."""
+        if pending is None:
+            return y
+        h, mapping = pending
+        side = self.batch.side_stream
+        if side is None:
             expand_ref(h, self.b, self.slice_starts, mapping, y)
+        else:
+            torch.cuda.current_stream(y.device).wait_stream(side)
+            lora_expand(h, self.b, self.slice_starts, mapping, y)
         return y
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,8 @@ class AdapterSlots:
     ) -> None:
         self.host = host
         self.num_slots = num_slots
+        self.max_rank = max_rank
+        self._warming_up = False
         # The Triton kernels where they run (a GPU with 16-bit tensor cores), the reference elsewhere.
         self.batch = LoRABatch(num_slots, device, triton_sgmv.supports(device))
         # (layer index, PEFT modules of the projection, its LoRALinear), for slot loads.
@@ -52,6 +56,9 @@ class AdapterSlots:
 
     def prepare(self, lora_ids: list[int], counts: list[int]) -> None:
         """Sets the step's mapping: request i (adapter lora_ids[i], 0 = none) has counts[i] tokens."""
+        if self._warming_up:
+            self.batch.set(np.zeros(sum(counts), dtype=np.int32), [self.max_rank] + [0] * (self.num_slots - 1))
+            return
         step_ids = {i for i in lora_ids if i}
         if len(step_ids) > self.num_slots:
             raise RuntimeError(f"a step uses {len(step_ids)} adapters, more than --max-loras {self.num_slots}")
@@ -82,6 +89,19 @@ class AdapterSlots:
         if slot is not None:
             self.slot_ranks[slot] = 0
             self._free.append(slot)
+
+    @contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Inside, every row of a step uses slot 0 at the maximal rank, whose weights are still
+        zeros (before any adapter is resident): the forward launches the adapters' kernels, so
+        Triton compiles their variants, and adds nothing."""
+        if self._slot_of:
+            raise RuntimeError("LoRA kernels are warmed up before any adapter is resident")
+        self._warming_up = True
+        try:
+            yield
+        finally:
+            self._warming_up = False
 
     @property
     def num_resident(self) -> int:

@@ -32,7 +32,7 @@ from paphos.worker.compiled_decode import use_persistent_cache
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
 from paphos.worker.profiling import profile_kv_budget
-from paphos.worker.warmup import warm_up_mixed_steps, warm_up_prefill
+from paphos.worker.warmup import warm_up_adapter_kernels, warm_up_mixed_steps, warm_up_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ def load_worker(config: EngineConfig) -> Worker:
         warm_up_prefill(runner, compiled_dequant.WARM_UP_TOKENS, num_blocks)
     if device.type == "cuda":
         warm_up_mixed_steps(runner, num_blocks, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        warm_up_adapter_kernels(runner, num_blocks, config.scheduler.max_num_seqs,
+                                config.scheduler.max_num_batched_tokens)  # fmt: skip
     return Worker(
         config=config,
         tokenizer=source.tokenizer,

@@ -13,7 +13,11 @@ the core's samples still in Triton's compiler.
 
 The warm-up runs, through the model runner itself, steps of N decode rows plus one prefill chunk
 for N = 1, 2, 4, ... up to --max-num-seqs, half the rows greedy and half sampled (temperature,
-top-p, min-p), on blocks of the empty KV cache; then forgets them.
+top-p, min-p), on blocks of the empty KV cache; then forgets them. With LoRA's Triton kernels it
+runs them again with every row on an adapter slot (still zeros: lora/slots.py `warming_up`), and
+prefill chunks of growing sizes, since eager steps with adapters launch the shrink and expand at
+new sizes (on the H200 the first 64 requests on adapters otherwise took twice as long as the next
+64).
 """
 
 from __future__ import annotations
@@ -37,29 +41,61 @@ _SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, min_p=0.05, max_tokens=4)
 
 def warm_up_mixed_steps(runner: ModelRunner, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
     started = time.perf_counter()
-    block_size = runner.block_size
-    blocks_per_request = -(-max(_PROMPT_TOKENS + 1, _CHUNK_TOKENS) // block_size)
-    # Each step holds rows + 1 sequences, rows prompts in one step, and blocks_per_request blocks per sequence.
-    limit = min(max_num_seqs - 1, (num_blocks - 1) // blocks_per_request - 1,
-                (max_num_batched_tokens - _CHUNK_TOKENS) // _PROMPT_TOKENS)
-    for rows in sorted({min(1 << i, limit) for i in range(limit.bit_length() + 1)} if limit >= 1 else ()):
-        _mixed_step(runner, rows, blocks_per_request)
+    for rows in _sizes(runner, num_blocks, max_num_seqs, max_num_batched_tokens):
+        _mixed_step(runner, rows, _blocks_per_request(runner))
     logger.info("kernels warmed up for mixed steps in %.1f s", time.perf_counter() - started)
+
+
+def warm_up_adapter_kernels(runner: ModelRunner, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """The same mixed steps with every row on an adapter slot still holding zeros (lora/slots.py
+    `warming_up`), then prefill chunks of 128, 256, ... rows up to --max-num-batched-tokens and
+    the context length (the shrink splits K fewer ways as a chunk's tiles grow): the LoRA shrink
+    and expand at the sizes eager steps launch them."""
+    slots = runner.adapter_slots
+    if slots is None:
+        return
+    started = time.perf_counter()
+    with slots.warming_up():
+        for rows in _sizes(runner, num_blocks, max_num_seqs, max_num_batched_tokens):
+            _mixed_step(runner, rows, _blocks_per_request(runner))
+        largest = min(max_num_batched_tokens, runner.max_model_len)
+        chunk = 128
+        while chunk < 2 * largest:
+            _prefill_step(runner, min(chunk, largest), num_blocks)
+            chunk *= 2
+    logger.info("LoRA kernels warmed up for mixed steps and prefill chunks in %.1f s", time.perf_counter() - started)
+
+
+def _blocks_per_request(runner: ModelRunner) -> int:
+    return -(-max(_PROMPT_TOKENS + 1, _CHUNK_TOKENS) // runner.block_size)
+
+
+def _sizes(runner: ModelRunner, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """Decode rows of the warm-up's steps: 1, 2, 4, ... up to what the KV cache and the token
+    budget hold (each step holds rows + 1 sequences, rows prompts in one step)."""
+    limit = min(max_num_seqs - 1, (num_blocks - 1) // _blocks_per_request(runner) - 1,
+                (max_num_batched_tokens - _CHUNK_TOKENS) // _PROMPT_TOKENS)  # fmt: skip
+    return sorted({min(1 << i, limit) for i in range(limit.bit_length() + 1)} if limit >= 1 else ())
 
 
 def warm_up_prefill(runner: ModelRunner, num_tokens: int, num_blocks: int) -> None:
     """One prefill chunk of `num_tokens` rows (CPU): compiles the weight dequantizers that chunks of
     that many rows or more use (quant/kernels/compiled_dequant.py), for every weight shape."""
     started = time.perf_counter()
+    with compiled_dequant.warming_up():
+        _prefill_step(runner, num_tokens, num_blocks)
+    logger.info("weight dequantizers compiled for prefill chunks in %.1f s", time.perf_counter() - started)
+
+
+def _prefill_step(runner: ModelRunner, num_tokens: int, num_blocks: int) -> None:
+    """One request's prefill chunk of `num_tokens` rows (at most what the KV cache holds), then forgotten."""
     num_tokens = min(num_tokens, (num_blocks - 1) * runner.block_size)
     request = _request(runner, "warmup-prefill", 0, num_tokens, _GREEDY, -(-num_tokens // runner.block_size))
-    with compiled_dequant.warming_up():
-        runner.execute(SchedulerOutput(
-            scheduled_new_reqs=[request], num_scheduled_tokens={request.req_id: num_tokens},
-            total_num_scheduled_tokens=num_tokens,
-        ))
+    runner.execute(SchedulerOutput(
+        scheduled_new_reqs=[request], num_scheduled_tokens={request.req_id: num_tokens},
+        total_num_scheduled_tokens=num_tokens,
+    ))  # fmt: skip
     runner.execute(SchedulerOutput(finished_req_ids={request.req_id}))
-    logger.info("weight dequantizers compiled for prefill chunks in %.1f s", time.perf_counter() - started)
 
 
 def _request(

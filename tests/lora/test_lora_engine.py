@@ -201,3 +201,29 @@ def test_prefix_cache_never_shares_blocks_across_adapters(tiny_llama: TinyLlama,
     assert cached["b"] == 0 and cached["d"] == 0 and cached["c"] > 0
     assert _tokens(second["c"]) == _tokens(first["a"])
     assert torch.equal(torch.tensor(_tokens(second["b"])), torch.tensor(hf_greedy(adapters["rslora"].merged, prompt, 4)))
+
+
+def test_kernel_warm_up_runs_the_adapters_and_adds_nothing(tiny_llama: TinyLlama, adapters: dict[str, Adapter]) -> None:
+    """The start-up warm-up of the LoRA kernels (worker/warmup.py) runs mixed steps with every row
+    on slot 0 at the maximal rank while its weights are zeros: the adapters' path runs, the
+    outputs are the base model's, and afterwards requests get their adapters as before. Once an
+    adapter is resident it is refused (its slot would no longer be zeros)."""
+    from paphos.worker.warmup import warm_up_adapter_kernels
+
+    engine = _engine(tiny_llama, adapters)
+    runner = engine.runner
+    slots = runner.adapter_slots
+    assert slots is not None
+    calls: list[bool] = []
+    apply = slots.batch.mapping_for
+    slots.batch.mapping_for = lambda rows: (calls.append(slots.batch.active), apply(rows))[1]  # type: ignore[method-assign]
+    warm_up_adapter_kernels(runner, engine.core.info.num_blocks, max_num_seqs=4, max_num_batched_tokens=256)
+    assert calls and all(calls) and slots.num_resident == 0
+    slots.batch.mapping_for = apply  # type: ignore[method-assign]
+    prompt = make_prompts(1, seed=8, shared_prefix=[])[0]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = _run(engine, [("base", prompt, None), ("plain", prompt, "plain")], params)
+    assert _tokens(outputs["base"]) == hf_greedy(tiny_llama.model, prompt, 4)
+    assert _tokens(outputs["plain"]) == hf_greedy(adapters["plain"].merged, prompt, 4)
+    with pytest.raises(RuntimeError, match="before any adapter is resident"), slots.warming_up():
+        pass

@@ -15,16 +15,17 @@ except ImportError:  # CPU-only installs
     triton = None
 
 COUNTERS = 1 << 16  # tile counters per device, zero between launches: the most tiles one launch splits
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
-def counters(device: torch.device) -> torch.Tensor:
-    """The tile counters of `device`, shared by every split launch (they run one after another on
-    the step's stream, and each leaves its counters at zero). Made on first use, which the engine's
-    eager warm-up runs before graph capture."""
-    buf = _COUNTERS.get(device)
+def counters(device: torch.device, stream: str = "step") -> torch.Tensor:
+    """The tile counters of `device` for the split launches of one stream (they run one after
+    another there, and each leaves its counters at zero); kernels on another stream, which may run
+    at the same time, name it (`stream`) and get counters of their own. Made on first use, which
+    the engine's eager warm-up runs before graph capture."""
+    buf = _COUNTERS.get((device, stream))
     if buf is None:
-        _COUNTERS[device] = buf = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = buf = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return buf
 
 

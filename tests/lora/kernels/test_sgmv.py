@@ -1,7 +1,8 @@
 """The batched multi-LoRA kernels (paphos/lora/kernels): the token -> slot mapping, the torch
 reference and the Triton shrink / expand.
 
-- `build_mapping` groups token rows by slot in batch order, pads to the capacity and refuses
+- `build_mapping` groups token rows by slot in batch order, pads to the capacity, cuts each
+  slot's tokens into the kernels' tiles (16 rows for decode capacities, 64 above) and refuses
   tokens in empty slots or outside the slots; `LoRAMapping.write` reuses its buffers.
 - The reference equals a naive per-token formula in float64 (tolerance 1e-5 of the largest
   value: float32 sums against float64 ones).
@@ -32,6 +33,7 @@ import pytest
 import torch
 
 from paphos.lora.kernels import LoRAMapping, build_mapping, expand_ref, shrink_ref
+from paphos.lora.kernels.mapping import tile_rows
 from paphos.quant.kernels import split_k
 from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
 from tests.triton_interpreted import interpreted
@@ -54,8 +56,26 @@ def test_build_mapping_groups_tokens_by_slot() -> None:
     assert host.sorted_token_ids.tolist() == [2, 4, 0, 3, 6, 0, 0, 0, 0, 0]  # batch order within a slot
     assert host.slot_starts.tolist() == [0, 2, 2, 4, 5]
     assert host.slot_ranks.tolist() == [16, 8, 4, 5]
+    # tiles of 16 rows: one per slot with tokens, in slot order; slot 1 (no tokens) has none
+    assert host.tile_meta.tolist() == [[0, 16], [2, 4], [3, 5], [0, 0], [0, 0]]
+    assert host.tile_ids.shape == (5, 16)
+    assert host.tile_ids[:3, :3].tolist() == [[2, 4, -1], [0, 3, -1], [6, -1, -1]]
+    assert (host.tile_ids[3:] == -1).all()
     empty = build_mapping(np.full(3, -1), [4], 1, 3)
     assert empty.slot_starts.tolist() == [0, 0] and empty.sorted_token_ids.tolist() == [0, 0, 0]
+    assert not empty.tile_meta[:, 1].any() and (empty.tile_ids == -1).all()
+
+
+def test_build_mapping_tiles_of_prefill_chunks() -> None:
+    """Above 64 tokens of capacity tiles hold 64 rows: slot 1's 100 tokens take two, the second
+    partial; a slot of rank 0 gets no tile."""
+    slots = np.array([1] * 100 + [0] * 30 + [-1] * 10)
+    host = build_mapping(slots, [8, 16, 0], 3, 160)
+    assert host.tile_ids.shape == (-(-160 // 64) + 3, 64)
+    assert host.tile_meta[:3].tolist() == [[0, 8], [1, 16], [1, 16]] and not host.tile_meta[3:, 1].any()
+    assert host.tile_ids[0, :30].tolist() == list(range(100, 130)) and (host.tile_ids[0, 30:] == -1).all()
+    assert host.tile_ids[1].tolist() == list(range(64))
+    assert host.tile_ids[2, :36].tolist() == list(range(64, 100)) and (host.tile_ids[2, 36:] == -1).all()
 
 
 @pytest.mark.parametrize(
@@ -70,9 +90,11 @@ def test_build_mapping_refuses(slots: list[int], ranks: list[int], capacity: int
 
 def test_mapping_write_reuses_buffers() -> None:
     mapping = LoRAMapping.empty(2, 6, "cpu")
-    pointers = [t.data_ptr() for t in (mapping.sorted_token_ids, mapping.slot_starts, mapping.slot_ranks)]
+    buffers = ("sorted_token_ids", "slot_starts", "slot_ranks", "tile_meta", "tile_ids")
+    pointers = [getattr(mapping, name).data_ptr() for name in buffers]
     mapping.write(build_mapping(np.array([1, 0, 1]), [4, 8], 2, 6))
-    assert [t.data_ptr() for t in (mapping.sorted_token_ids, mapping.slot_starts, mapping.slot_ranks)] == pointers
+    assert [getattr(mapping, name).data_ptr() for name in buffers] == pointers
+    assert mapping.tile_meta[:2].tolist() == [[0, 4], [1, 8]] and mapping.tile_ids[1, :3].tolist() == [0, 2, -1]
     assert mapping.sorted_token_ids.tolist() == [1, 0, 2, 0, 0, 0] and mapping.slot_starts_host == [0, 1, 3]
     assert mapping.slot_ranks.tolist() == [4, 8]
     with pytest.raises(ValueError, match="buffers for 2 x 6"):
@@ -104,16 +126,17 @@ CASES = {
     # decode tiles, q|k|v-like slices, an empty slot, ranks below R, K not a multiple of BK
     "3-slices-fp32-strided": Case(_cycle((0, 2, 3, -1, 2), 37), 40, 96, (0, 32, 48, 80), 16, (16, 0, 8, 13),
                                   torch.float32, True),
-    # K split in 3 (two K steps each); expand tiles of 32 columns straddling slice ends 48
+    # K split in 3 (two K steps each); expand blocks of 32 columns straddling slice ends 48, two
+    # per program (the second program's second block wholly past O)
     "3-slices-split-k": Case(_cycle((3, -1, 0, 2), 21), 24, 96, (0, 32, 48, 80), 16, (16, 0, 8, 13),
-                             torch.float32, False, (16, 16, 16, 3), (16, 32, 16)),
+                             torch.float32, False, (16, 16, 3), (32, 16, 4, 2, 2)),
     # one slot of rank R = 8 (< the 16-wide tiles: masked along the rank), bf16
     "1-slice-bf16-r8": Case((0, 0, -1, 0, 0), 8, 64, (0, 64), 8, (8,), torch.bfloat16, True),
     # gate|up-like, slot 0 with 20 tokens (two tiles), a slot with a rank and no tokens, split 2;
     # rank 5 of R = 32: shrink tiles of only padded rows (zeros written, A not read), expand's
     # second rank chunk skipped; 64-column expand tiles across the slice end at 48
     "2-slices-bf16": Case((0,) * 12 + _cycle((1, 0, -1), 18), 32, 32, (0, 48, 96), 32, (32, 5, 7),
-                          torch.bfloat16, False, (16, 16, 16, 2), (16, 64, 16)),
+                          torch.bfloat16, False, (16, 16, 2), (64, 16)),
     # prefill tiles (capacity > 64: 64 tokens per tile), rank 8 of R = 16
     "prefill-fp32": Case(_cycle((0, 1, -1, 1), 70), 80, 48, (0, 40), 16, (16, 8), torch.float32, True),
 }
@@ -188,7 +211,7 @@ def test_triton_matches_reference(ts, name: str) -> None:  # noqa: ANN001
     ns, used = len(case.slices) - 1, torch.tensor(case.tokens) >= 0
     shrink_cfg = ts.ShrinkConfig(*case.shrink_cfg) if case.shrink_cfg else None
     expand_cfg = ts.ExpandConfig(*case.expand_cfg) if case.expand_cfg else None
-    counters = split_k.counters(torch.device("cpu"))
+    counters = split_k.counters(torch.device("cpu"), "lora")
     for seed in (3, 4):  # the second mapping is written into the first one's buffers
         h_ref = torch.full((case.capacity, a.shape[1]), float("nan"))
         shrink_ref(x, a, mapping, h_ref)
@@ -227,16 +250,16 @@ def test_configs_follow_the_shape() -> None:
     from paphos.lora.kernels import triton_sgmv
 
     decode = triton_sgmv.shrink_config(1, 16, 48, 4096)  # one token: K split as far as it goes
-    assert (decode.block_m, decode.block_n, decode.split_k) == (16, 16, triton_sgmv.MAX_SPLIT_K)
+    assert (decode.block_n, decode.split_k) == (16, triton_sgmv.MAX_SPLIT_K)
     many = triton_sgmv.shrink_config(64, 16, 192, 4096)  # decode splits finely even with 16 slots
     assert many.split_k == triton_sgmv.MAX_SPLIT_K
     prefill = triton_sgmv.shrink_config(512, 1, 192, 4096)
-    assert (prefill.block_m, prefill.block_n, prefill.block_k) == (64, 64, 64) and prefill.split_k > 1
+    assert (prefill.block_n, prefill.block_k) == (64, 64) and prefill.split_k > 1
     busy = triton_sgmv.shrink_config(8192, 16, 192, 4096)  # prefill tiles fill the SMs: no split
     assert busy.split_k == 1
-    assert triton_sgmv.expand_config(16, 4096, 64) == triton_sgmv.ExpandConfig(16, 64, 32)
-    assert triton_sgmv.expand_config(16, 28672, 64) == triton_sgmv.ExpandConfig(16, 128, 32, num_warps=8)
-    assert triton_sgmv.expand_config(512, 4096, 16) == triton_sgmv.ExpandConfig(64, 64, 16)
+    assert triton_sgmv.expand_config(16, 4096, 64) == triton_sgmv.ExpandConfig(128, 32, num_warps=8)
+    assert triton_sgmv.expand_config(16, 28672, 64) == triton_sgmv.ExpandConfig(128, 32, num_warps=8, col_blocks=2)
+    assert triton_sgmv.expand_config(512, 4096, 16) == triton_sgmv.ExpandConfig(64, 16)
 
 
 # ---------------------------------------------------------------------------- sm_90 compiles
@@ -247,7 +270,7 @@ def test_lora_kernels_compile_for_sm90(triton_path: Path | None) -> None:
     check_compiles_in_child("tests.lora.kernels.test_sgmv", COMPILES, triton_path)
 
 
-_MAPPING_ARGS = {"ids_ptr": "*i32", "starts_ptr": "*i32", "ranks_ptr": "*i32"}
+_MAPPING_ARGS = {"meta_ptr": "*i32", "ids_ptr": "*i32"}
 
 
 def _shrink(t_cap: int, slots: int, n: int, k: int) -> None:
@@ -255,11 +278,11 @@ def _shrink(t_cap: int, slots: int, n: int, k: int) -> None:
     from paphos.lora.kernels import triton_sgmv as ts
 
     cfg = ts.shrink_config(t_cap, slots, n, k)
-    ints = dict(S=slots, N=n, K=k, R=64, stride_x=k, stride_h=n, iters_per_split=k // cfg.block_k // cfg.split_k,
+    ints = dict(N=n, K=k, R=64, stride_x=k, stride_h=n, iters_per_split=k // cfg.block_k // cfg.split_k,
                 plane=t_cap * n)  # fmt: skip
     args = {"x_ptr": "*bf16", "a_ptr": "*bf16", "h_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
             **_MAPPING_ARGS, **{name: "i32" for name in ints}}  # fmt: skip
-    constexprs = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SP=max(2, ts._pow2(slots)), SPLIT=cfg.split_k,
+    constexprs = dict(BM=tile_rows(t_cap), BN=cfg.block_n, BK=cfg.block_k, SPLIT=cfg.split_k,
                       EVEN_K=True, F32=False, ASM=True, PDL=True)  # fmt: skip
     ptx = compile_sm90(ts._shrink_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "mma" in ptx and "bf16" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
@@ -272,9 +295,10 @@ def _expand(t_cap: int, slices: tuple[int, ...], r: int) -> None:
     from paphos.lora.kernels import triton_sgmv as ts
 
     cfg = ts.expand_config(t_cap, slices[-1], r)
-    ints = dict(S=4, N_OUT=slices[-1], R=r, stride_h=r * (len(slices) - 1), stride_y=slices[-1])
+    ints = dict(N_OUT=slices[-1], R=r, stride_h=r * (len(slices) - 1), stride_y=slices[-1])
     args = {"h_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", **_MAPPING_ARGS, **{name: "i32" for name in ints}}
-    constexprs = dict(SLICES=slices, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, SP=4, EVEN_R=r % cfg.block_k == 0,
+    constexprs = dict(SLICES=slices, BM=tile_rows(t_cap), BN=cfg.block_n, BK=cfg.block_k, COL_BLOCKS=cfg.col_blocks,
+                      EVEN_R=r % cfg.block_k == 0,
                       PRECISION="tf32", PDL=True)  # fmt: skip
     ptx = compile_sm90(ts._expand_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "mma" in ptx and "tf32" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
