@@ -19,6 +19,11 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
              equal the plain engine's
   swap       a rank --swap-rank adapter on all 7 projections: disk -> host cache (load_adapter,
              pinned) and host cache -> a device slot (AdapterSlots' copy, synchronised), median
+  stall      what a hot swap costs the running batch: 32 requests decode on 3 adapters (rank
+             --swap-rank, --max-loras 4) when a request arrives on no adapter, on a fourth adapter
+             already in a slot, and on one only in the host cache (its copy into a slot then runs beside the
+             steps: lora/slots.py prefetch); the longest step after the arrival in each case, and
+             the arriving request's time to its first token
 Adapters are written as PEFT directories (adapter_config.json + adapter_model.safetensors) with
 random weights of rank --rank on q/k/v/o/gate/up/down of every layer.
 """
@@ -255,11 +260,57 @@ def section_swap(bench: LoRABench) -> dict[str, Any]:
     return out
 
 
+def section_stall(bench: LoRABench) -> dict[str, Any]:
+    rank = bench.args.swap_rank
+    names = bench.adapters(5, rank)
+    llm = bench.engine(bench.args.config, lora=False, max_model_len=1024, gpu_memory_utilization=0.6,
+                       enable_lora=True, max_loras=4, max_cpu_loras=8, max_lora_rank=rank,
+                       lora_modules={f"s{i}": names[f"lora{i}"] for i in range(5)})  # fmt: skip
+    engine = llm.engine
+    prompts = random_prompts(33, PROMPT, bench.config["vocab_size"], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    # Every adapter into the host cache; s1..s4 end in the four slots (s0 was loaded first and evicted).
+    decode_run(llm, prompts[:5], [f"s{i}" for i in range(5)])
+    decode_run(llm, prompts[:4], [f"s{i}" for i in range(1, 5)])
+    out: dict[str, Any] = {"rank": rank}
+    for case, arriving in (("base", None), ("resident", "s4"), ("host_only", "s0")):
+        ids = [f"{case}-{i}" for i in range(32)]
+        for i, req_id in enumerate(ids):  # s1, s2, s3 run; s4's slot is idle
+            engine.add_request(req_id, prompts[i], params, lora=engine.frontend.loras.get(f"s{1 + i % 3}"))
+        steps, first = [], None
+        for _ in range(12):  # the 32 prompts prefilled, decoding
+            engine.step()
+        torch.cuda.synchronize()
+        t_add = time.perf_counter()
+        lora = engine.frontend.loras.get(arriving) if arriving else None
+        engine.add_request(f"{case}-new", prompts[32], params, lora=lora)
+        t0 = t_add
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            t1 = time.perf_counter()
+            steps.append((t1 - t0) * 1e3)
+            t0 = t1
+            if first is None and any(o.request_id == f"{case}-new" and o.outputs[0].token_ids for o in outputs):
+                first = (t1 - t_add) * 1e3
+        out[case] = {"median_step_ms": statistics.median(steps), "max_step_ms_after_arrival": max(steps[:20]),
+                     "arrival_ttft_ms": first, "steps_after_arrival_ms": steps[:8]}  # fmt: skip
+    out["stall_ms"] = out["host_only"]["max_step_ms_after_arrival"] - out["resident"]["max_step_ms_after_arrival"]
+    print(f"\nhot swap of a rank-{rank} adapter under 32 decoding requests: longest step after the arrival "
+          f"{out['resident']['max_step_ms_after_arrival']:.2f} ms (adapter in a slot) vs "
+          f"{out['host_only']['max_step_ms_after_arrival']:.2f} ms (host cache only): {out['stall_ms']:+.2f} ms; "
+          f"arrival's TTFT {out['resident']['arrival_ttft_ms']:.1f} vs {out['host_only']['arrival_ttft_ms']:.1f} ms "
+          f"(a request on no adapter: longest step {out['base']['max_step_ms_after_arrival']:.2f} ms, "
+          f"TTFT {out['base']['arrival_ttft_ms']:.1f} ms)")
+    for case in ("base", "resident", "host_only"):
+        print(f"  {case:9} steps after the arrival, ms: " + " ".join(f"{t:.1f}" for t in out[case]["steps_after_arrival_ms"]))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="results/lora_gpu.json")
     parser.add_argument("--config", default=str(ROOT / "benchmarks" / "configs" / "llama-3-8b.json"))
-    parser.add_argument("--sections", default="correctness,ceilings,bf16,w4,swap")
+    parser.add_argument("--sections", default="correctness,ceilings,bf16,w4,swap,stall")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--swap-rank", type=int, default=64)
     parser.add_argument("--gmu", type=float, default=0.85)

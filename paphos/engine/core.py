@@ -52,6 +52,9 @@ class EngineCore:
         # Requests whose adapter is still loading from disk, by adapter id; the scheduler gets
         # them once it is in host memory (add_request, _admit_loaded).
         self._awaiting_adapter: dict[int, list[Request]] = {}
+        # Requests whose adapter is being copied into a device slot beside the steps
+        # (lora/slots.py, prefetch); the scheduler gets them once the copy is done.
+        self._awaiting_slot: dict[int, list[Request]] = {}
         # The adapter of every unfinished request that has one (its host-cache reference).
         self._request_adapter: dict[str, int] = {}
         # Requests the core finished itself with an error (an adapter that failed to load).
@@ -97,7 +100,7 @@ class EngineCore:
             self.adapters.acquire(request.lora)
             self._request_adapter[req.request_id] = req.lora_id
             if self.adapters.is_ready(req.lora_id):
-                self.scheduler.add_request(req)
+                self._to_device_slot(req.lora_id, [req])
             else:
                 self._awaiting_adapter.setdefault(req.lora_id, []).append(req)
         except Exception:  # noqa: BLE001 - confined to this request
@@ -111,24 +114,44 @@ class EngineCore:
         assert self.adapters is not None
         ready, failed = self.adapters.poll()
         for lora_id in ready:
-            for req in self._awaiting_adapter.pop(lora_id, []):
-                self.scheduler.add_request(req)
+            if lora_id in self._awaiting_adapter:
+                self._to_device_slot(lora_id, self._awaiting_adapter.pop(lora_id))
+        slots = self.runner.adapter_slots
+        for lora_id in list(self._awaiting_slot):
+            if slots is None or slots.is_ready(lora_id) or not slots.is_resident(lora_id):
+                # copied, or evicted meanwhile by a step that needed every slot: then the step
+                # that schedules them loads it
+                for req in self._awaiting_slot.pop(lora_id):
+                    self.scheduler.add_request(req)
         for failure in failed:
             for req in self._awaiting_adapter.pop(failure.lora_id, []):
                 self._errors[req.request_id] = failure.message
                 self._release_adapter(req.request_id)
                 self.scheduler.reject(req.request_id)
 
+    def _to_device_slot(self, lora_id: int, reqs: list[Request]) -> None:
+        """Requests whose adapter is in host memory: to the scheduler when the adapter is in a
+        device slot or none is free (the step then loads it), else held while it is copied into
+        one beside the steps."""
+        slots = self.runner.adapter_slots
+        if slots is not None and slots.prefetch(lora_id, set(self._request_adapter.values())):
+            if lora_id in self._awaiting_slot or not slots.is_ready(lora_id):
+                self._awaiting_slot.setdefault(lora_id, []).extend(reqs)
+                return
+        for req in reqs:
+            self.scheduler.add_request(req)
+
     def _drop_awaiting(self, req_ids: list[str]) -> None:
-        if not self._awaiting_adapter:
-            return
         ids = set(req_ids)
-        for lora_id, reqs in list(self._awaiting_adapter.items()):
-            kept = [r for r in reqs if r.request_id not in ids]
-            if kept:
-                self._awaiting_adapter[lora_id] = kept
-            else:
-                del self._awaiting_adapter[lora_id]
+        for held in (self._awaiting_adapter, self._awaiting_slot):
+            for lora_id, reqs in list(held.items()):
+                kept = [r for r in reqs if r.request_id not in ids]
+                if kept:
+                    held[lora_id] = kept
+                else:
+                    del held[lora_id]
+                    if held is self._awaiting_slot and self.runner.adapter_slots is not None:
+                        self.runner.adapter_slots.release_reservation(lora_id)
 
     def _release_adapter(self, req_id: str) -> None:
         lora_id = self._request_adapter.pop(req_id, None)
@@ -136,7 +159,7 @@ class EngineCore:
             self.adapters.release(lora_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_adapter)
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_adapter or self._awaiting_slot)
 
     def idle_outputs(self) -> EngineCoreOutputs:
         """An outputs record with only the scheduler's gauges, for when no step runs."""
@@ -144,9 +167,13 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         if self.adapters is not None:
-            if not self.scheduler.has_unfinished_requests() and self.adapters.loading:
-                # Only requests waiting for their adapter: sleep on the load, not in a busy loop.
-                self.adapters.wait(_ADAPTER_WAIT_S)
+            if not self.scheduler.has_unfinished_requests():
+                # Only requests waiting for their adapter: sleep on the load or the copy, not in a
+                # busy loop.
+                if self._awaiting_slot and self.runner.adapter_slots is not None:
+                    self.runner.adapter_slots.wait_ready(next(iter(self._awaiting_slot)))
+                elif self.adapters.loading:
+                    self.adapters.wait(_ADAPTER_WAIT_S)
             self._admit_loaded()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)

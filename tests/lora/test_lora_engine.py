@@ -227,3 +227,33 @@ def test_kernel_warm_up_runs_the_adapters_and_adds_nothing(tiny_llama: TinyLlama
     assert _tokens(outputs["plain"]) == hf_greedy(adapters["plain"].merged, prompt, 4)
     with pytest.raises(RuntimeError, match="before any adapter is resident"), slots.warming_up():
         pass
+
+
+def test_prefetch_takes_only_slots_no_unfinished_request_uses(tiny_llama: TinyLlama, adapters: dict[str, Adapter]) -> None:
+    """An adapter in host memory is copied into a device slot before its requests reach the
+    scheduler (lora/slots.py prefetch: on a GPU beside the steps, here at once), but never into the
+    slot of an adapter that unfinished requests use, nor of one prefetched for requests still held:
+    then the requests go to the scheduler and the step loads the adapter."""
+    engine = _engine(tiny_llama, adapters, max_loras=2)
+    core, slots = engine.core, engine.runner.adapter_slots
+    assert slots is not None and core.adapters is not None
+    ids = {}
+    for name in ("plain", "rslora", "attn"):
+        lora = engine.frontend.loras.get(name)
+        assert lora is not None
+        ids[name] = lora.lora_id
+        core.adapters.acquire(lora)
+    loaded: list[int] = []
+    while len(loaded) < 3:
+        core.adapters.wait(0.05)
+        loaded += core.adapters.poll()[0]
+    plain, rslora, attn = ids["plain"], ids["rslora"], ids["attn"]
+    assert slots.prefetch(plain, in_use={plain, rslora}) and slots.prefetch(rslora, in_use={plain, rslora})
+    assert slots.is_ready(plain) and slots.is_ready(rslora)
+    assert not slots.prefetch(attn, in_use={attn})  # both slots reserved for requests still held
+    slots.prepare([plain, rslora], [1, 1])  # their requests ran: no longer reserved
+    assert not slots.prefetch(attn, in_use={plain, rslora, attn})  # both in use
+    assert slots.prefetch(attn, in_use={rslora, attn})  # plain's requests are gone: its slot
+    assert slots.is_ready(attn) and not slots.is_resident(plain) and slots.is_ready(rslora)
+    slots.prepare([plain], [2])  # a step needs plain again: the least recently used slot goes
+    assert slots.is_resident(plain) and slots.num_resident == 2
