@@ -32,6 +32,7 @@ from paphos.config import (
     LoRAConfig,
     LoRAModule,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServerConfig,
 )
@@ -199,6 +200,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(mdl, "--gguf-numerics", choices=GGUF_NUMERICS, default="float",
          help="matmuls with quantized GGUF weights: float (float32 activations, the accurate result; "
               "default) or llamacpp (round activations to 8 bits as llama.cpp's CPU backend does)")
+    par = parser.add_argument_group("parallelism")
+    _add(par, "--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+         help="split the model over N GPUs of this machine (N processes; gloo over CPU processes with "
+              "--device cpu); N must divide the attention heads (default 1); docs/tensor-parallel.md")
     cache = parser.add_argument_group("KV cache")
     _add(cache, "--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     _add(cache, "--enable-prefix-caching", "--context-shift", dest="enable_prefix_caching", type=parse_bool,
@@ -385,7 +390,9 @@ def build_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype, fully_sharded_loras=args.fully_sharded_loras,
         lora_modules=lora_modules,
     )
-    return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, lora=lora), server
+    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size)
+    engine = EngineConfig(model=model_config, cache=cache, scheduler=scheduler, parallel=parallel, lora=lora)
+    return engine, server
 
 
 def _interrupt(signum: int, frame: object) -> None:

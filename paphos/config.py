@@ -192,11 +192,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    # -tp N: the model's heads, MLP and vocabulary split over N ranks, one process each (rank 0 in
+    # the engine core); docs/tensor-parallel.md. Whether the model splits N ways is checked once
+    # its config is read (worker/tensor_parallel.py `check_tensor_parallel`).
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ConfigError("--tensor-parallel-size > 1 is not supported yet")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ class LoRAConfig:
         if self.lora_dtype not in LORA_DTYPES:
             raise ConfigError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.fully_sharded_loras:
-            raise ConfigError("--fully-sharded-loras needs tensor parallelism, which is not supported yet")
+            raise ConfigError("--fully-sharded-loras needs tensor parallelism with LoRA, which is not supported yet")
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
         names = [m.name for m in self.lora_modules]
@@ -318,6 +321,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1 and self.lora.enable_lora:
+            # Adapter slots would need the same column / row slices as the base layers.
+            raise ConfigError(f"--enable-lora with --tensor-parallel-size {tp} is not supported yet (use -tp 1)")
+        if tp > 1 and self.scheduler.decode_lookahead:
+            # The lookahead replays rank 0's next graph before the step is read back; the other
+            # ranks would have to replay theirs at the same moment.
+            raise ConfigError(f"--decode-lookahead with --tensor-parallel-size {tp} is not supported yet")
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """The config once the model's context length is known (resolved by the loader)."""

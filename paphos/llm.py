@@ -12,7 +12,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from paphos.config import CacheConfig, EngineConfig, LoRAConfig, LoRAModule, ModelConfig, SchedulerConfig
+from paphos.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    LoRAModule,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from paphos.core.protocol import LoRARequest
 from paphos.engine.llm_engine import LLMEngine
 from paphos.lora.errors import LoRANotFoundError
@@ -24,11 +32,12 @@ _MODEL_FIELDS = {f for f in ModelConfig.__dataclass_fields__} - {"model"}
 _CACHE_FIELDS = set(CacheConfig.__dataclass_fields__)
 _SCHEDULER_FIELDS = set(SchedulerConfig.__dataclass_fields__) - {"max_model_len"}
 _LORA_FIELDS = set(LoRAConfig.__dataclass_fields__)
+_PARALLEL_FIELDS = set(ParallelConfig.__dataclass_fields__)
 
 
 def build_engine_config(model: str | None = None, **kwargs: object) -> EngineConfig:
     """An EngineConfig from flag-named keyword arguments; unknown names are an error."""
-    unknown = set(kwargs) - _MODEL_FIELDS - _CACHE_FIELDS - _SCHEDULER_FIELDS - _LORA_FIELDS
+    unknown = set(kwargs) - _MODEL_FIELDS - _CACHE_FIELDS - _SCHEDULER_FIELDS - _LORA_FIELDS - _PARALLEL_FIELDS
     if unknown:
         raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
     if model is None:
@@ -47,6 +56,7 @@ def build_engine_config(model: str | None = None, **kwargs: object) -> EngineCon
         model=ModelConfig(model=model, **pick(_MODEL_FIELDS)),
         cache=CacheConfig(**pick(_CACHE_FIELDS)),
         scheduler=SchedulerConfig(**pick(_SCHEDULER_FIELDS)),
+        parallel=ParallelConfig(**pick(_PARALLEL_FIELDS)),
         lora=LoRAConfig(**lora),
     )
 
@@ -59,6 +69,10 @@ class LLM:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks of `tensor_parallel_size > 1` (also done at exit)."""
+        self.engine.close()
 
     def add_lora(self, name: str, path: str) -> None:
         """Registers a PEFT adapter (needs enable_lora=True); `generate(..., lora=name)` uses it."""

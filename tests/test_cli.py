@@ -248,3 +248,13 @@ def test_lora_flags_take_aphrodites_names_and_both_module_forms(tmp_path):
 def test_bad_lora_flags_exit_2_naming_the_flag(argv, message, capsys):
     assert cli.main(["run", "m", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tensor_parallel_flag(capsys):
+    assert _configs("-tp", "2")[0].parallel.tensor_parallel_size == 2
+    assert _configs("--tensor_parallel_size", "4")[0].parallel.tensor_parallel_size == 4
+    assert _configs()[0].parallel.tensor_parallel_size == 1
+    assert cli.main(["run", "m", "-tp", "0"]) == 2
+    assert "--tensor-parallel-size must be >= 1" in capsys.readouterr().err
+    assert cli.main(["run", "m", "-tp", "2", "--enable-lora"]) == 2
+    assert "--enable-lora with --tensor-parallel-size 2 is not supported yet" in capsys.readouterr().err

@@ -49,6 +49,8 @@ class EngineCore:
         )
         # Adapters' weights in host memory (None when LoRA is off); the runner's slots read them.
         self.adapters = worker.adapters
+        # With -tp N: the other ranks' processes (worker/tensor_parallel.py), stopped by close().
+        self._tp = worker.tp
         # Requests whose adapter is still loading from disk, by adapter id; the scheduler gets
         # them once it is in host memory (add_request, _admit_loaded).
         self._awaiting_adapter: dict[int, list[Request]] = {}
@@ -66,6 +68,17 @@ class EngineCore:
             self.info.max_model_len, worker.num_blocks - 1, worker.config.cache.block_size,
             (worker.num_blocks - 1) * worker.config.cache.block_size,
         )
+
+    def check_health(self) -> None:
+        """Raises if a part of the engine outside this process died (a tensor-parallel rank);
+        steps check it themselves, the idle loop calls this."""
+        if self._tp is not None:
+            self._tp.check_alive()
+
+    def close(self) -> None:
+        """Stops what the core started beside itself (tensor-parallel ranks); idempotent."""
+        if self._tp is not None:
+            self._tp.close()
 
     def handle(self, message: CoreInput) -> None:
         if isinstance(message, AddRequests):

@@ -18,7 +18,9 @@ for the first time and the scheduler's queue lengths. It is how a load's step pa
 
 Lifecycle: the process dies with its parent (PR_SET_PDEATHSIG on Linux, and a parent-pid check
 while idle), ignores SIGINT (Ctrl-C reaches the whole process group; the API process decides
-how to stop) and exits on SIGTERM.
+how to stop) and exits on SIGTERM. With `-tp N` it also dies (DIED, exit 1) when another rank
+dies, checked every step and every idle second, and its ranks stop with it
+(worker/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 2000)
     outputs.connect(output_address)
+    core: EngineCore | None = None
     try:
         # Imported here: the API process imports this module for the entry point alone.
         from paphos.engine.core import EngineCore
@@ -80,6 +83,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             outputs.send_multipart([DIED, f"{type(exc).__name__}: {exc}".encode()])
             sys.exit(1)
     finally:
+        if core is not None:
+            core.close()  # tensor-parallel ranks stop with the core
         inputs.close(linger=0)
         outputs.close()
         context.term()
@@ -98,6 +103,7 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent
                 if os.getppid() != parent_pid:
                     logger.info("the API process is gone; the engine core stops")
                     return
+                core.check_health()  # a dead tensor-parallel rank ends an idle core too
         handled = 0
         while True:
             try:

@@ -72,6 +72,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks, if any (also done at interpreter exit)."""
+        self.core.close()
+
     def step(self) -> list[RequestOutput]:
         outputs, followups = self.frontend.process(self.core.step())
         for message in followups:

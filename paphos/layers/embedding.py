@@ -13,6 +13,12 @@ Quantized weights (a quant config's methods, e.g. GGUF blocks, paphos/quant/gguf
 - a head tied to a float embedding may still take a method that keeps the float weight and only
   changes the computation (llama.cpp numerics, paphos/quant/gguf/llamacpp.py).
 The model calls `process_weights_after_loading()` of both after loading. Logits are fp32 always.
+
+Tensor parallelism (`-tp N`, layers/parallel.py): both are vocab-parallel. Rank r holds rows
+[r * ceil(V / N), ...) of the table (the last rank's padded with zero rows); a lookup reads the
+ids in the rank's rows, zeroes the others and one all-reduce sums the ranks' rows; the head
+computes the logits of the rank's rows and gathers them to rank 0, which samples (the padding
+columns at the end are cut by the model runner, as it cuts any padded vocabulary).
 """
 
 from __future__ import annotations
@@ -23,7 +29,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.layers import parallel
+from paphos.layers.parallel import Slice
 from paphos.layers.weights import copy_checked, default_weight_loader
+
+
+def _vocab_loader(rows: Slice) -> Any:
+    """Loads this rank's rows of a [vocab, hidden] checkpoint table, zero rows after them."""
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"parameter takes no shards, got shard {shard_id!r}")
+        if loaded.shape[0] != rows.full:
+            copy_checked(param.data, loaded)  # raises, naming both shapes
+        copy_checked(param.data[: rows.length], loaded[rows.start : rows.start + rows.length])
+        param.data[rows.length :].zero_()
+
+    return load
 
 
 class VocabEmbedding(nn.Module):
@@ -37,20 +59,43 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        self.tp = parallel.current()
+        self.sharded = self.tp.size > 1
+        self.rows = self.tp.split_padded(num_embeddings)
         params_dtype = params_dtype or torch.get_default_dtype()
         self.quant_method = quant_method
         if quant_method is not None:
-            quant_method.create_weights(self, embedding_dim, num_embeddings, params_dtype)
+            quant_method.create_weights(self, embedding_dim, self.rows.padded, params_dtype)
             return
         self.weight = nn.Parameter(
-            torch.empty(num_embeddings, embedding_dim, dtype=params_dtype), requires_grad=False
+            torch.empty(self.rows.padded, embedding_dim, dtype=params_dtype), requires_grad=False
         )
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = _vocab_loader(self.rows) if self.sharded else default_weight_loader  # type: ignore[attr-defined]
+
+    def tp_rows(self, index: int) -> Slice:
+        """The vocabulary rows this rank holds (a quant method that keeps its own layout reads it)."""
+        return self.rows
+
+    def tp_cols(self) -> Slice:
+        return Slice.whole(self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.sharded:
+            return self._sharded_lookup(input_ids)
         if self.quant_method is not None:
             return self.quant_method.embed(self, input_ids)
         return F.embedding(input_ids, self.weight)
+
+    def _sharded_lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the ids this rank holds, zeros for the others, summed over the ranks."""
+        start = self.rows.start
+        mine = (input_ids >= start) & (input_ids < start + self.rows.length)
+        local = torch.where(mine, input_ids - start, 0)
+        if self.quant_method is not None:
+            out = self.quant_method.embed(self, local)
+        else:
+            out = F.embedding(local, self.weight)
+        return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
     def process_weights_after_loading(self) -> None:
         if self.quant_method is not None:
@@ -68,7 +113,12 @@ class LMHead(nn.Module):
     ) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
         self.tied = tie_to is not None
+        # Vocab-parallel like the embedding (a tied head is the embedding's rows).
+        self.tp = parallel.current()
+        self.sharded = self.tp.size > 1
+        self.rows = self.tp.split_padded(num_embeddings)
         params_dtype = params_dtype or torch.get_default_dtype()
         self.quant_method = quant_method
         # (module whose parameters/buffers the method reads, method); a plain tuple, so a tied
@@ -83,24 +133,37 @@ class LMHead(nn.Module):
             elif quant_method is not None:
                 self._runs_on = (self, quant_method)
         elif quant_method is not None:
-            quant_method.create_weights(self, embedding_dim, num_embeddings, params_dtype)
+            quant_method.create_weights(self, embedding_dim, self.rows.padded, params_dtype)
             self._runs_on = (self, quant_method)
         else:
             self.weight = nn.Parameter(
-                torch.empty(num_embeddings, embedding_dim, dtype=params_dtype), requires_grad=False
+                torch.empty(self.rows.padded, embedding_dim, dtype=params_dtype), requires_grad=False
             )
-            self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+            self.weight.weight_loader = _vocab_loader(self.rows) if self.sharded else default_weight_loader  # type: ignore[attr-defined]
+
+    def tp_rows(self, index: int) -> Slice:
+        return self.rows
+
+    def tp_cols(self) -> Slice:
+        return Slice.whole(self.embedding_dim)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         """For methods that create a float weight on the head (`UnquantizedLinearMethod`'s hook)."""
+        if self.sharded:
+            _vocab_loader(self.rows)(param, loaded)
+            return
         copy_checked(param.data, loaded)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] -> logits [R, vocab] in fp32 (the sampler works in fp32)."""
+        """hidden [R, H] -> logits [R, vocab] in fp32 (the sampler works in fp32). With tensor
+        parallelism: rank 0 gets [R, N * ceil(vocab / N)] (the columns past vocab are padding);
+        the other ranks get their own part, which nothing reads."""
         if self._runs_on is not None:
             layer, method = self._runs_on
-            return method.apply(layer, hidden).float()
-        return F.linear(hidden, self.weight).float()
+            logits = method.apply(layer, hidden).float()
+        else:
+            logits = F.linear(hidden, self.weight).float()
+        return self.tp.gather_last_dim(logits) if self.sharded else logits
 
     def process_weights_after_loading(self) -> None:
         if self.quant_method is not None:

@@ -8,6 +8,12 @@ handing each layer a different method (via a `QuantConfig`); LoRA adds its delta
 Merged layers (`QKVLinear`, `MergedColumnLinear`) hold several checkpoint tensors side by side on
 the output dimension so one GEMM replaces two or three; `weight_loader(param, loaded, shard_id)`
 copies one checkpoint tensor into its slice.
+
+Tensor parallelism (`-tp N`, layers/parallel.py): the merged layers are column-parallel (each rank
+holds its heads / its share of gate and up), `RowParallelLinear` (o_proj, down_proj) holds its
+input columns and sums the ranks' partial outputs with one all-reduce. `tp_rows(i)` / `tp_cols()`
+say which slice of checkpoint tensor i the rank holds; the loaders (this one, and quant methods
+that keep their own layout, e.g. GGUF blocks) copy only that slice. Plain `Linear` is replicated.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.layers import parallel
+from paphos.layers.parallel import SINGLE, Slice, TPGroup
 from paphos.layers.weights import copy_checked
 
 
@@ -58,6 +66,7 @@ class UnquantizedLinearMethod:
     ) -> None:
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False)
         weight.output_dim = 0  # type: ignore[attr-defined]
+        weight.input_dim = 1  # type: ignore[attr-defined]
         weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
 
@@ -70,6 +79,11 @@ class UnquantizedLinearMethod:
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b), with W laid out as the concatenation of `output_sizes` shards."""
+
+    # The tensor-parallel group of a sharded layer (set by the parallel-aware subclasses before
+    # their weights are created); unsharded layers hold whole checkpoint tensors.
+    tp: TPGroup = SINGLE
+    sharded: bool = False
 
     def __init__(
         self,
@@ -106,7 +120,33 @@ class LinearBase(nn.Module):
     def shard_index(self, shard_id: object) -> int:
         raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
 
+    def tp_rows(self, index: int) -> Slice:
+        """The output rows of checkpoint tensor `index` (q/k/v, gate/up, ...) this rank holds."""
+        return Slice.whole(self.output_sizes[index])
+
+    def tp_cols(self) -> Slice:
+        """The input columns of the checkpoint tensors this rank holds."""
+        return Slice.whole(self.input_size)
+
+    def _rank_part(self, param: torch.Tensor, loaded: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor, along the parameter's `output_dim` /
+        `input_dim` (scaled: a packed parameter keeps its share). A row-parallel bias is added
+        once, by rank 0: the other ranks hold zeros."""
+        rows, cols = self.tp_rows(index), self.tp_cols()
+        if not rows.is_whole:
+            loaded = rows.narrow(loaded, getattr(param, "output_dim", 0))
+        if not cols.is_whole:
+            if param is self.bias:
+                return loaded if self.tp.rank == 0 else torch.zeros_like(loaded)
+            dim = getattr(param, "input_dim", None)
+            if dim is None:
+                raise ValueError(f"{type(self).__name__}: a parameter without input_dim cannot be split by input")
+            loaded = cols.narrow(loaded, dim)
+        return loaded
+
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if self.sharded:
+            loaded = self._rank_part(param, loaded, 0 if shard_id is None else self.shard_index(shard_id))
         if shard_id is None:
             copy_checked(param.data, loaded)
             return
@@ -135,9 +175,52 @@ class Linear(LinearBase):
         super().__init__(input_size, [output_size], bias, params_dtype, quant_method)
 
 
+class RowParallelLinear(Linear):
+    """A linear layer whose input dimension is split over the tensor-parallel ranks (o_proj,
+    down_proj): each rank multiplies its columns of x by its columns of W and one all-reduce sums
+    the partial outputs. `input_size` is the whole layer's; unsharded outside tensor parallelism."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        self.tp = parallel.current()
+        self.sharded = self.tp.size > 1
+        self._cols = self.tp.split(input_size)
+        super().__init__(self._cols.length, output_size, bias, params_dtype, quant_method)
+
+    def tp_cols(self) -> Slice:
+        return self._cols
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.tp.all_reduce(y) if self.sharded else y
+
+
 class MergedColumnLinear(LinearBase):
     """Several projections of the same input stacked on the output axis; shard ids are 0, 1, ...
-    (e.g. gate_proj -> 0, up_proj -> 1)."""
+    (e.g. gate_proj -> 0, up_proj -> 1). Column-parallel: each rank holds an even share of each
+    projection's rows (`output_sizes` are the whole layer's)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        self.tp = parallel.current()
+        self.sharded = self.tp.size > 1
+        self._rows = [self.tp.split(n) for n in output_sizes]
+        super().__init__(input_size, [r.length for r in self._rows], bias, params_dtype, quant_method)
+
+    def tp_rows(self, index: int) -> Slice:
+        return self._rows[index]
 
     def shard_index(self, shard_id: object) -> int:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
@@ -146,7 +229,9 @@ class MergedColumnLinear(LinearBase):
 
 
 class QKVLinear(LinearBase):
-    """Fused q/k/v projection: output [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]; shard ids 'q','k','v'."""
+    """Fused q/k/v projection: output [q (Hq*D) | k (Hkv*D) | v (Hkv*D)]; shard ids 'q','k','v'.
+    Column-parallel by heads: each rank holds its query heads and the KV heads they read
+    (`num_heads` / `num_kv_heads` are this rank's; layers/parallel.py `kv_head_slice`)."""
 
     SHARDS = ("q", "k", "v")
 
@@ -160,11 +245,21 @@ class QKVLinear(LinearBase):
         params_dtype: torch.dtype | None = None,
         quant_method: LinearMethod | None = None,
     ) -> None:
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
+        self.tp = parallel.current()
+        self.sharded = self.tp.size > 1
+        heads, kv_heads = self.tp.split(num_heads), parallel.kv_head_slice(num_kv_heads, self.tp)
+        self.num_heads, self.num_kv_heads = heads.length, kv_heads.length
+        self._rows = [
+            Slice(s.start * head_dim, s.length * head_dim, s.full * head_dim) for s in (heads, kv_heads, kv_heads)
+        ]
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         super().__init__(
             hidden_size, [self.q_size, self.kv_size, self.kv_size], bias, params_dtype, quant_method
         )
+
+    def tp_rows(self, index: int) -> Slice:
+        return self._rows[index]
 
     def shard_index(self, shard_id: object) -> int:
         if shard_id not in self.SHARDS:

@@ -24,7 +24,7 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers.linear import Linear, QKVLinear, QuantConfig
+from paphos.layers.linear import QKVLinear, QuantConfig, RowParallelLinear
 from paphos.layers.norm import GemmaRMSNorm
 from paphos.layers.rotary import RotaryEmbedding
 from paphos.models import hf_config
@@ -55,8 +55,6 @@ class Gemma3Attention(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = hf_config.num_kv_heads(config)
         self.head_dim = hf_config.head_dim(config)
         self.scale = float(getattr(config, "query_pre_attn_scalar", self.head_dim)) ** -0.5
         self.sliding_window = int(config.sliding_window) if layer_type == SLIDING else None
@@ -64,11 +62,13 @@ class Gemma3Attention(nn.Module):
         self.rotary_emb = rotary_emb
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias, dtype,
-            _method(quant_config, f"{prefix}.qkv_proj"),
+            config.hidden_size, self.head_dim, config.num_attention_heads, hf_config.num_kv_heads(config),
+            bias, dtype, _method(quant_config, f"{prefix}.qkv_proj"),
         )  # fmt: skip
-        self.o_proj = Linear(
-            self.num_heads * self.head_dim,
+        # This rank's heads (tensor parallelism, as in llama.py).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias,
             dtype,

@@ -4,6 +4,8 @@ Data flow: model runner -> LlamaForCausalLM.forward(input_ids [T], positions [T]
 AttentionMetadata) over one flat batch of decode rows and prefill chunks -> hidden [T, H];
 the runner selects the rows that sample -> compute_logits -> sampler. Attention goes through the
 injected `AttentionBackend`, which owns the paged cache layout; this file never indexes the cache.
+With tensor parallelism (layers/parallel.py) each rank's attention runs its own heads (the counts
+below are the rank's, read from `qkv_proj`) and o_proj / down_proj sum the ranks' outputs.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers import x_int8
+from paphos.layers import parallel, x_int8
 from paphos.layers.activation import GeluTanhAndMul, SiluAndMul
 from paphos.layers.embedding import LMHead, VocabEmbedding
-from paphos.layers.linear import Linear, LinearBase, LinearMethod, MergedColumnLinear, QKVLinear, QuantConfig
+from paphos.layers.linear import (
+    LinearBase,
+    LinearMethod,
+    MergedColumnLinear,
+    QKVLinear,
+    QuantConfig,
+    RowParallelLinear,
+)
 from paphos.layers.norm import RMSNorm
 from paphos.layers.rotary import RotaryEmbedding
 from paphos.layers.weights import ShapeMismatchError, default_weight_loader
@@ -52,8 +61,6 @@ class LlamaAttention(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = hf_config.num_kv_heads(config)
         self.head_dim = hf_config.head_dim(config)
         self.scale = self.head_dim**-0.5
         self.sliding_window = hf_config.layer_sliding_window(config, layer_idx)
@@ -61,11 +68,13 @@ class LlamaAttention(nn.Module):
         # One cos/sin table shared by all layers (registered in each; parameters/buffers dedupe).
         self.rotary_emb = rotary_emb
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias, dtype,
-            _method(quant_config, f"{prefix}.qkv_proj"),
+            config.hidden_size, self.head_dim, config.num_attention_heads, hf_config.num_kv_heads(config),
+            qkv_bias, dtype, _method(quant_config, f"{prefix}.qkv_proj"),
         )  # fmt: skip
-        self.o_proj = Linear(
-            self.num_heads * self.head_dim,
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
             config.hidden_size,
             o_bias,
             dtype,
@@ -107,7 +116,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(
             config.hidden_size, [inter, inter], bias, dtype, _method(quant_config, f"{prefix}.gate_up_proj")
         )
-        self.down_proj = Linear(
+        self.down_proj = RowParallelLinear(
             inter, config.hidden_size, bias, dtype, _method(quant_config, f"{prefix}.down_proj")
         )
         self.act = _GATED_ACTIVATIONS[act]()
@@ -239,7 +248,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.num_layers: int = config.num_hidden_layers
-        self.num_kv_heads: int = hf_config.num_kv_heads(config)
+        # This rank's KV heads: what the KV cache holds.
+        self.num_kv_heads: int = parallel.kv_head_slice(hf_config.num_kv_heads(config), parallel.current()).length
         self.head_dim: int = hf_config.head_dim(config)
         self.vocab_size: int = config.vocab_size
         self.sliding_windows: list[int | None] = self.layer_sliding_windows(config)

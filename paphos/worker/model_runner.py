@@ -6,6 +6,10 @@ graphs (cuda_graphs.py) and, where the next step is determined on the device, th
 launched before this one is read back (lookahead.py); on the CPU they run a compiled graph
 (compiled_decode.py). The only host<->device synchronisation per
 step is reading back the sampled ids and the logprobs that were asked for, once, together.
+
+With tensor parallelism (tensor_parallel.py) rank 0's runner sends each step to the other ranks
+before running it (`tp_driver`), and their runners run the same forward without sampling
+(`follow`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
@@ -39,6 +44,9 @@ from paphos.worker.lookahead import (
     next_slots_if_allocated,
     next_step_metadata,
 )
+
+if TYPE_CHECKING:
+    from paphos.worker.tensor_parallel import TPDriver
 
 
 def derive_seed(seed: int) -> int:
@@ -85,6 +93,8 @@ class ModelRunner:
         self.compiled_decode: CompiledDecode | None = None
         # Device slots of LoRA adapters (attached by worker/setup.py when LoRA is enabled).
         self.adapter_slots: AdapterSlots | None = None
+        # Rank 0 of a tensor-parallel group: sends each step to the other ranks (set by setup.py).
+        self.tp_driver: TPDriver | None = None
         # The next decode step, launched before this one was read back (lookahead.py), or None.
         self._lookahead: Lookahead | None = None
         self.sampler = Sampler()
@@ -96,8 +106,32 @@ class ModelRunner:
         self.mirostat_mu: dict[str, torch.Tensor] = {}
         self.guided = GuidedState(grammar_info)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.tp_driver is not None:
+            return self.tp_driver.run_step(scheduler_output, self._execute)
+        return self._execute(scheduler_output)
+
+    @torch.inference_mode()
+    def follow(self, scheduler_output: SchedulerOutput, sampled: list[tuple[str, int]]) -> None:
+        """A tensor-parallel follower's step: rank 0's `execute` of the same step without sampling.
+        `sampled`: the tokens rank 0 appended after its previous step. Every collective rank 0's
+        forward reaches (the layers' all-reduces, the head's gather, prompt-logprob rows) is
+        reached here in the same order, from the same flat batch."""
+        for req_id, token in sampled:
+            state = self.states.get(req_id)
+            if state is not None:
+                state.token_ids.append(token)
+        apply_scheduler_diffs(self.states, scheduler_output)
+        if scheduler_output.is_empty:
+            return
+        inputs = build_step_inputs(self.states, scheduler_output, self.block_size, self.uploader)
+        hidden, _ = self._forward(inputs)
+        for rows, _targets in inputs.prompt_logprob_rows.values():
+            assert hidden is not None
+            self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in scheduler_output.finished_req_ids:
             self._forget_sampling_state(req_id)
         apply_scheduler_diffs(self.states, scheduler_output)
@@ -252,6 +286,8 @@ class ModelRunner:
         ranks = result.ranks.tolist() if result.ranks is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        if self.tp_driver is not None:
+            self.tp_driver.note_sampled([s.req_id for s in states], tokens)
         for row, (batch_idx, state) in enumerate(zip(batch_indices, states, strict=True)):
             token = tokens[row]
             state.token_ids.append(token)

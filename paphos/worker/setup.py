@@ -3,6 +3,12 @@
 Data flow: EngineConfig -> loader.load_model_source (config, tokenizer, eos ids, context length)
 -> models.registry (model class) -> weights streamed into the model -> KV cache sized from the
 memory budget -> ModelRunner. Returns the EngineConfig with model-derived values filled in.
+
+With `-tp N` (tensor_parallel.py) the engine core's call is rank 0: once the model is known to
+split N ways it starts the other ranks, whose processes run this same function with their
+`TPRank` up to the warm-up (rank 0's warm-up steps reach them as ordinary steps). Every rank
+builds the model sharded (layers/parallel.py), loads its slices and sizes its KV cache; the
+ranks then keep the smallest block count.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from paphos.attention.backend import AttentionBackend
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.config import ConfigError, EngineConfig
 from paphos.default_model import default_cache_dir
-from paphos.loader import load_model_source
+from paphos.layers import parallel
+from paphos.loader import ModelSource, load_model_source
 from paphos.lora.host_cache import AdapterHostCache
 from paphos.lora.slots import AdapterSlots
 from paphos.lora.spec import LoRAModelSpec, lora_model_spec
@@ -32,6 +39,7 @@ from paphos.worker.compiled_decode import use_persistent_cache
 from paphos.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
 from paphos.worker.model_runner import ModelRunner
 from paphos.worker.profiling import profile_kv_budget
+from paphos.worker.tensor_parallel import TPDriver, TPRank, check_tensor_parallel, rank_device
 from paphos.worker.warmup import warm_up_adapter_kernels, warm_up_mixed_steps, warm_up_prefill
 
 logger = logging.getLogger(__name__)
@@ -52,6 +60,8 @@ class Worker:
     # With LoRA enabled: what adapters must fit, and their host cache (the runner holds the slots).
     lora_spec: LoRAModelSpec | None = None
     adapters: AdapterHostCache | None = None
+    # Rank 0 of a tensor-parallel group: the other ranks' supervisor (closed with the engine).
+    tp: TPDriver | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,7 +86,8 @@ def resolve_dtype(name: str, hf_config: object, device: torch.device) -> torch.d
     return torch.float16 if config_dtype == torch.float16 else torch.bfloat16
 
 
-def load_worker(config: EngineConfig) -> Worker:
+def load_worker(config: EngineConfig, member: TPRank | None = None) -> Worker:
+    """The engine core's worker (rank 0), or with `member` a tensor-parallel follower's."""
     model_config = config.model
     source = load_model_source(
         model_config.model,
@@ -96,6 +107,9 @@ def load_worker(config: EngineConfig) -> Worker:
     config = config.with_max_model_len(max_model_len)
 
     device = resolve_device(model_config.device)
+    tp_size = config.parallel.tensor_parallel_size
+    if tp_size > 1:
+        device = rank_device(device, member.rank if member is not None else 0)
     if config.scheduler.max_num_batched_tokens is None:
         batched = 8192 if device.type == "cuda" else 2048
         config = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=batched))
@@ -105,11 +119,34 @@ def load_worker(config: EngineConfig) -> Worker:
     torch.manual_seed(model_config.seed)
     if model_config.threads is not None:
         torch.set_num_threads(model_config.threads)
+    elif tp_size > 1 and device.type == "cpu":
+        # The ranks share the machine's cores: one rank per core set, not N ranks on every core.
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
     if device.type == "cpu":
         logger.info("CPU threads: %d", torch.get_num_threads())
     model_cls = resolve_model_class(source.hf_config)
     quant_config = select_quant_config(source, model_config.quantization, model_config.gguf_numerics)
-    with torch.device(device):
+    driver = None
+    if tp_size > 1 and member is None:  # rank 0: check the split once, then start the others
+        check_tensor_parallel(config, source, quant_config, device)
+        driver = TPDriver.start(config, device)
+    try:
+        return _build(config, source, device, backend, dtype, kv_dtype, model_cls, quant_config, driver or member)
+    except BaseException:
+        if driver is not None:
+            driver.close()
+        raise
+
+
+def _build(
+    config: EngineConfig, source: ModelSource, device: torch.device, backend: AttentionBackend,
+    dtype: torch.dtype, kv_dtype: torch.dtype, model_cls: type[torch.nn.Module], quant_config: object,
+    member: TPRank | None,
+) -> Worker:  # fmt: skip
+    """The model, its KV cache and runner (on every tensor-parallel rank)."""
+    model_config, max_model_len = config.model, config.scheduler.max_model_len
+    is_driver = member is None or isinstance(member, TPDriver)
+    with torch.device(device), parallel.building(member.tp if member is not None else parallel.SINGLE):
         model = model_cls(
             source.hf_config, dtype=dtype, attn_backend=backend, quant_config=quant_config
         )
@@ -117,18 +154,26 @@ def load_worker(config: EngineConfig) -> Worker:
     if compile_decode and config.lora.enable_lora:
         logger.info("compiled CPU decode off: LoRA steps run eagerly on the CPU")
         compile_decode = False
+    if compile_decode and member is not None:
+        # A compiled graph would have to trace the collectives; the eager step runs them.
+        logger.info("compiled CPU decode off: tensor-parallel steps run eagerly on the CPU")
+        compile_decode = False
     int8_groups = INT8_GROUPS_ON_CPU.set(compile_decode)
     try:
-        source.load_into(model, seed=model_config.seed)
+        source.load_into(model, seed=model_config.seed, show_progress=is_driver)
     finally:
         INT8_GROUPS_ON_CPU.reset(int8_groups)
     model.eval()
+    if member is not None:
+        member.barrier()  # every rank loaded: the profiling pass's collectives meet at once
     for line in getattr(quant_config, "summary", list)():
         logger.info("%s", line)
     adapter_slots = _attach_lora(model, config, dtype, device) if config.lora.enable_lora else None
 
     kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
     num_blocks = num_blocks_for_budget(kv_spec, config.cache, _kv_budget_bytes(model, config, kv_spec, device))
+    if member is not None:
+        num_blocks = member.agree_min(num_blocks)  # each rank holds its heads of every block
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
         num_blocks - 1, config.cache.block_size, (num_blocks - 1) * config.cache.block_size,
@@ -140,7 +185,8 @@ def load_worker(config: EngineConfig) -> Worker:
         logger.info("CUDA graphs off: the %s attention backend cannot be captured", backend.name)
     if config.scheduler.decode_lookahead is None:
         # The lookahead replays graphs only; elsewhere its early block allocation would buy nothing.
-        config = replace(config, scheduler=replace(config.scheduler, decode_lookahead=graphs))
+        # Not with tensor parallelism: every rank would have to replay its next graph early.
+        config = replace(config, scheduler=replace(config.scheduler, decode_lookahead=graphs and member is None))
     runner = ModelRunner(
         model, kv_spec, num_blocks, config.cache.block_size, device, model.vocab_size,
         eos_ids[0] if eos_ids else None, max_model_len, bool(config.scheduler.decode_lookahead),
@@ -148,6 +194,8 @@ def load_worker(config: EngineConfig) -> Worker:
         grammar_info=functools.partial(tokenizer_info, source.tokenizer.hf, model.vocab_size, sorted(set(eos_ids))),
     )
     runner.adapter_slots = adapter_slots
+    if isinstance(member, TPDriver):
+        runner.tp_driver = member
     if graphs:
         runner.capture_decode_graphs(config.scheduler.max_num_seqs, max_model_len)
     if compile_decode:
@@ -155,6 +203,12 @@ def load_worker(config: EngineConfig) -> Worker:
         runner.compile_decode(config.scheduler.max_num_seqs)
         compiled_dequant.enable()
         warm_up_prefill(runner, compiled_dequant.WARM_UP_TOKENS, num_blocks)
+    if not is_driver:
+        # A follower: rank 0's warm-up steps reach it through the step messages.
+        return Worker(
+            config=config, tokenizer=source.tokenizer, runner=runner, eos_token_id=None, extra_eos_token_ids=(),
+            vocab_size=model.vocab_size, num_blocks=num_blocks,
+        )  # fmt: skip
     if device.type == "cuda":
         warm_up_mixed_steps(runner, num_blocks, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
         warm_up_adapter_kernels(runner, num_blocks, config.scheduler.max_num_seqs,
@@ -169,6 +223,7 @@ def load_worker(config: EngineConfig) -> Worker:
         num_blocks=num_blocks,
         lora_spec=lora_model_spec(model) if adapter_slots is not None else None,
         adapters=adapter_slots.host if adapter_slots is not None else None,
+        tp=member if isinstance(member, TPDriver) else None,
     )
 
 

@@ -17,6 +17,12 @@ raw blocks + the torch dequantizer elsewhere), bit-equal to the table dequantize
 layer; a tied head runs through the embedding's method (`use_as_head`): one copy of the blocks, a
 matmul kernel chosen from `KERNELS`, and lookups that read that kernel's layout.
 
+Tensor parallelism (layers/parallel.py): the layer says which slice of each checkpoint tensor
+the rank holds (`tp_rows(i)`, `tp_cols()`); the shard table and the loader keep that slice of
+the raw blocks: whole rows for a column-parallel layer or a vocabulary slice, a byte range of
+every row for a row-parallel one, which must start and end on a block boundary of the tensor's
+type (else the file cannot be split that many ways: a start-up error naming the tensor).
+
 So weight memory is the file's tensor bytes (plus whatever a kernel's repacking adds; the CPU
 fallback for types without a packed kernel dequantizes at load, see kernels.py; a tied Q8_0 head
 on CPU, as in SmolLM2 and Gemma 3, is therefore one bf16 table for head and embedding, as before).
@@ -33,7 +39,8 @@ from torch import nn
 
 from paphos.layers import x_int8
 from paphos.layers.linear import LinearBase
-from paphos.layers.weights import copy_checked
+from paphos.layers.parallel import Slice
+from paphos.layers.weights import ShapeMismatchError, copy_checked
 from paphos.loader.gguf_loader import GGUFCheckpoint
 from paphos.loader.gguf_reader import GGUFTensor
 from paphos.quant.gguf.dequant import SUPPORTED_TYPES, dequantize
@@ -85,12 +92,21 @@ class GGUFLinearMethod:
     def create_weights(
         self, layer: LinearBase, input_size: int, output_size: int, params_dtype: torch.dtype
     ) -> None:
-        shards, row, offset = [], 0, 0
-        for name, type_name, shape, n_bytes in self.layout:
-            if len(shape) != 2 or shape[1] != input_size:
-                raise ValueError(f"{name}: GGUF shape {list(shape)} does not take {input_size} inputs")
-            shard = GGUFShard(name, type_name, shape[0], n_bytes // shape[0], row, offset)
+        # This rank's slice of each tensor (tensor parallelism; the whole tensor otherwise).
+        cols: Slice = layer.tp_cols() if hasattr(layer, "tp_cols") else Slice.whole(input_size)
+        shards, cuts, row, offset = [], [], 0, 0
+        for index, (name, type_name, shape, n_bytes) in enumerate(self.layout):
+            if len(shape) != 2 or shape[1] != cols.full:
+                raise ValueError(f"{name}: GGUF shape {list(shape)} does not take {cols.full} inputs")
+            rows: Slice = layer.tp_rows(index) if hasattr(layer, "tp_rows") else Slice.whole(shape[0])
+            if rows.full != shape[0]:
+                raise ValueError(f"{name}: GGUF shape {list(shape)} has {shape[0]} rows, the layer {rows.full}")
+            row_bytes, byte_start = n_bytes // shape[0], 0
+            if not cols.is_whole:
+                byte_start, row_bytes = _column_bytes(name, type_name, row_bytes, cols)
+            shard = GGUFShard(name, type_name, rows.padded, row_bytes, row, offset)
             shards.append(shard)
+            cuts.append((rows, byte_start, n_bytes // shape[0]))
             row, offset = row + shard.rows, offset + shard.n_bytes
         if row != output_size:
             raise ValueError(f"{'+'.join(self.raw_tensor_names)}: {row} GGUF rows for {output_size} outputs")
@@ -99,7 +115,16 @@ class GGUFLinearMethod:
 
         def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
             index = 0 if shard_id is None else layer.shard_index(shard_id)
-            copy_checked(raw_shard(param.data, self.shards[index]), loaded)
+            shard, (rows, byte_start, full_row_bytes) = self.shards[index], cuts[index]
+            if rows.is_whole and shard.row_bytes == full_row_bytes:
+                copy_checked(raw_shard(param.data, shard), loaded)
+                return
+            if tuple(loaded.shape) != (rows.full, full_row_bytes):
+                raise ShapeMismatchError((rows.full, full_row_bytes), tuple(loaded.shape))
+            part = loaded[rows.start : rows.start + rows.length, byte_start : byte_start + shard.row_bytes]
+            dst = raw_shard(param.data, shard)
+            copy_checked(dst[: rows.length], part)
+            dst[rows.length :].zero_()  # vocabulary padding: zero blocks dequantize to zeros
 
         weight.weight_loader = load_shard  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
@@ -163,6 +188,21 @@ class GGUFLinearMethod:
         """The layout of int8 parts of x the kernel's batch-1 GEMV reads (x_int8.feed), if any."""
         layout = getattr(self.kernel, "int8_input_layout", None)
         return layout() if layout is not None else None
+
+
+def _column_bytes(name: str, type_name: str, row_bytes: int, cols: Slice) -> tuple[int, int]:
+    """(first byte, bytes) of input columns `cols` in every row of a tensor of `type_name`: the
+    columns must fall on the type's block boundaries."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    if cols.start % block or cols.length % block:
+        raise ValueError(
+            f"{name}: its input dimension {cols.full} split for tensor parallelism gives {cols.length} "
+            f"columns per rank, not a multiple of the {type_name} block of {block} values; this GGUF "
+            "file cannot be split that many ways (use a smaller --tensor-parallel-size)"
+        )
+    return cols.start // block * type_size, cols.length // block * type_size
 
 
 class GGUFQuantConfig:

@@ -1,0 +1,140 @@
+"""Tensor parallelism inside the layers: which slice of each checkpoint tensor this rank holds,
+and the two collectives of a forward pass (docs/tensor-parallel.md).
+
+Data flow (`-tp N`, N > 1): worker setup builds the model inside `building(TPGroup(rank, N))`;
+the parallel-aware layers read `current()` once, at construction, and keep it:
+- column-parallel (`QKVLinear`, `MergedColumnLinear`, paphos/layers/linear.py): this rank's
+  output rows of every checkpoint tensor (its query heads, its KV heads, its share of gate/up);
+- row-parallel (`RowParallelLinear`: o_proj, down_proj): this rank's input columns, then one
+  all-reduce of the partial sums;
+- vocab-parallel (`VocabEmbedding`, `LMHead`, paphos/layers/embedding.py): this rank's rows of
+  the vocabulary; lookups are masked to them and all-reduced, logits are gathered to rank 0 (the
+  only rank that samples).
+Loaders copy only the rank's slice (`Slice`) of each checkpoint tensor into the parameters.
+
+With N = 1 (`SINGLE`) no layer is sharded, no collective runs and every slice is the whole
+tensor: the code path is the one without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of one checkpoint dimension a rank holds: `length` entries from `start` of the
+    checkpoint's `full`, stored in `padded` entries (>= length; the rest are zeros: the vocabulary
+    of the last rank when it does not divide evenly)."""
+
+    start: int
+    length: int
+    full: int
+    padded: int = -1
+
+    def __post_init__(self) -> None:
+        if self.padded < 0:
+            object.__setattr__(self, "padded", self.length)
+
+    @classmethod
+    def whole(cls, size: int) -> Slice:
+        return cls(0, size, size)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.length == self.full == self.padded
+
+    def narrow(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This slice of `tensor`, whose `dim` holds the checkpoint dimension scaled by a constant
+        (packed or blocked parameters keep their share: bytes of GGUF rows, int32 words)."""
+        n = tensor.shape[dim]
+        if n * self.start % self.full or n * self.length % self.full:
+            raise ValueError(f"a dimension of {n} cannot be cut at [{self.start}, +{self.length}) of {self.full}")
+        return tensor.narrow(dim, n * self.start // self.full, n * self.length // self.full)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in the tensor-parallel group and the collectives of the forward pass.
+    `group`: the torch.distributed process group of the device tensors (NCCL on CUDA, gloo on
+    the CPU); None with size 1."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def split(self, total: int) -> Slice:
+        """An even split of `total` (which must divide by the group size): this rank's part."""
+        if total % self.size:
+            raise ValueError(f"{total} does not split evenly over {self.size} ranks")
+        part = total // self.size
+        return Slice(self.rank * part, part, total)
+
+    def split_padded(self, total: int) -> Slice:
+        """`total` rows in ceil(total / size) per rank, the last rank's padded with zeros."""
+        part = -(-total // self.size)
+        start = min(self.rank * part, total)
+        return Slice(start, min(part, total - start), total, part)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums `x` over the ranks, in place; returns it."""
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0: the ranks' `x` [..., n] side by side, [..., size * n] (rank order). Other
+        ranks: their own `x` (nothing reads it; only rank 0 samples)."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        if x.device.type == "cuda":
+            # One collective that CUDA graphs capture like the all-reduces (NCCL's gather is a
+            # group of point-to-point sends); the logits of a step are small next to the weights.
+            parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(parts, x, group=self.group)
+            if self.rank != 0:
+                return x
+            return parts.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+        gathered = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, gathered, group_dst=0, group=self.group)
+        return torch.cat(gathered, dim=-1) if gathered is not None else x
+
+
+SINGLE = TPGroup()
+_CURRENT: ContextVar[TPGroup] = ContextVar("paphos_tensor_parallel", default=SINGLE)
+
+
+def current() -> TPGroup:
+    """The group of the model being built (SINGLE outside `building`)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def building(tp: TPGroup) -> Iterator[None]:
+    """Layers constructed inside this block are sharded for `tp` (worker/setup.py builds the model
+    in it). A context variable and not a constructor argument: every model file and test builds
+    layers without naming tensor parallelism, and gets the unsharded layer."""
+    token = _CURRENT.set(tp)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def kv_head_slice(num_kv_heads: int, tp: TPGroup) -> Slice:
+    """This rank's KV heads: an even share when they divide by the group size; else (fewer KV
+    heads than ranks, each a multiple of them) the one KV head its query heads read, replicated
+    on size / num_kv_heads ranks."""
+    if num_kv_heads % tp.size == 0:
+        return tp.split(num_kv_heads)
+    if tp.size % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be split or replicated over {tp.size} ranks")
+    return Slice(tp.rank * num_kv_heads // tp.size, 1, num_kv_heads)
