@@ -34,6 +34,13 @@ from paphos.layers.parallel import Slice
 from paphos.layers.weights import copy_checked, default_weight_loader
 
 
+def _vocab_weight(rows: Slice, embedding_dim: int, dtype: torch.dtype, sharded: bool) -> nn.Parameter:
+    """A float [padded rows, embedding_dim] weight whose loader copies this rank's vocabulary rows."""
+    weight = nn.Parameter(torch.empty(rows.padded, embedding_dim, dtype=dtype), requires_grad=False)
+    weight.weight_loader = _vocab_loader(rows) if sharded else default_weight_loader  # type: ignore[attr-defined]
+    return weight
+
+
 def _vocab_loader(rows: Slice) -> Any:
     """Loads this rank's rows of a [vocab, hidden] checkpoint table, zero rows after them."""
 
@@ -67,10 +74,7 @@ class VocabEmbedding(nn.Module):
         if quant_method is not None:
             quant_method.create_weights(self, embedding_dim, self.rows.padded, params_dtype)
             return
-        self.weight = nn.Parameter(
-            torch.empty(self.rows.padded, embedding_dim, dtype=params_dtype), requires_grad=False
-        )
-        self.weight.weight_loader = _vocab_loader(self.rows) if self.sharded else default_weight_loader  # type: ignore[attr-defined]
+        self.weight = _vocab_weight(self.rows, embedding_dim, params_dtype, self.sharded)
 
     def tp_rows(self, index: int) -> Slice:
         """The vocabulary rows this rank holds (a quant method that keeps its own layout reads it)."""
@@ -136,10 +140,7 @@ class LMHead(nn.Module):
             quant_method.create_weights(self, embedding_dim, self.rows.padded, params_dtype)
             self._runs_on = (self, quant_method)
         else:
-            self.weight = nn.Parameter(
-                torch.empty(self.rows.padded, embedding_dim, dtype=params_dtype), requires_grad=False
-            )
-            self.weight.weight_loader = _vocab_loader(self.rows) if self.sharded else default_weight_loader  # type: ignore[attr-defined]
+            self.weight = _vocab_weight(self.rows, embedding_dim, params_dtype, self.sharded)
 
     def tp_rows(self, index: int) -> Slice:
         return self.rows
