@@ -25,10 +25,9 @@ exllamav2's, in its converter (which chose the codes against these scales: Adapt
 rounds them "for sanity") and in its kernels (make_q_matrix divides the fp16 q_scale_max by 256 in
 place; dq_scale multiplies in fp16); a maximum below 2**-6 makes max / 256 an fp16 subnormal, so
 the exact (qs + 1)**2 * max / 256 of quant-toolchain.md §5.3 can be ~1% off in 6- and 8-bit groups
-of small weights. The product with the code then needs at most 19 significant bits: float32 holds
-it exactly, and an fp16 model's weight should be exllamav2's reconstruction bit for bit (its
-kernels round that product to fp16 once). All of this is read in exllamav2's source; the fixture of
-scripts/quant_fixtures/exllamav2_fixtures.py is what will confirm it on the tool.
+of small weights. The weight is that scale times the code, rounded to fp16 once, as exllamav2's
+reconstruction rounds it: on the tool-made fixtures (scripts/quant_fixtures/exllamav2_fixtures.py)
+every decoded weight equals exllamav2's own reconstruction bit for bit.
 
 Merged layers: q, k and v (gate and up) are quantized separately, each with its own groups,
 permutation and number of q_weight rows, so they cannot sit side by side on the output axis of
@@ -149,7 +148,8 @@ def dequantize(
     stored = torch.empty(n, k, dtype=torch.float32, device=q_weight.device)
     for g, group in enumerate(groups):
         codes = _unpack_group(words[group.words], group.bits, group.rows.stop - group.rows.start)
-        stored[:, group.rows] = ((codes - (1 << (group.bits - 1))).float() * factor[g]).t()
+        # rounded to fp16 as exllamav2's reconstruction is (module docstring)
+        stored[:, group.rows] = ((codes - (1 << (group.bits - 1))).float() * factor[g]).half().float().t()
     return stored[:, invperm]
 
 

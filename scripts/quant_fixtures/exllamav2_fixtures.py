@@ -2,9 +2,8 @@
 what proves paphos/quant/exl2.py against the tool rather than against tests/quant/test_exl2.py's
 own encoder.
 
-NOT RUN YET: written without a GPU. The first run is the lead's, on the device machine; expect to
-fix small things (its converter's options were read in exllamav2's source, 0.2.7, and in
-../shared/reference/quant-toolchain.md §5, which ran 0.3.2 on a different tiny model).
+Run on the H200 with exllamav2 0.3.2 (about 4.5 minutes: 160 s to build its extension, then about
+50 s per fixture); the committed fixtures are that run's.
 
 Per fixture: the common fp32 tiny Llama (`common.build_source`) is converted by
 `python -m exllamav2.conversion.convert_exl2` at the fixture's bits per weight, calibrated on the
@@ -23,10 +22,8 @@ checkpoint is loaded with `ExLlamaV2` and gives:
 and `common.finish_fixture` adds the fp32 HF model on the tool's weights: its logits and greedy
 tokens, the references paphos must meet (tests/quant/test_checkpoint_parity.py).
 
-What to expect against paphos/quant/exl2.py: the tool's weights are fp16(code * scale), while
-paphos keeps the exact product in float32, so paphos's dense weight rounded to fp16 should equal
-them bit for bit, and paphos's fp32 logits differ from `dequant_logits` by what that last fp16
-rounding does (about 5e-3 on tests/quant/test_exl2.py's tiny model), not within 1e-4.
+Against paphos/quant/exl2.py: the tool's weights are fp16(code * scale), which paphos reproduces
+bit for bit, so paphos's fp32 logits meet `dequant_logits` within 1e-4.
 
 The converter runs the same attention on its calibration data, so without flash-attn it optimizes
 on non-causal activations: the files are valid EXL2, only their quality is not what a causal
@@ -34,7 +31,8 @@ calibration would give, which does not matter to a parity fixture.
 
 Fixtures: `exl2-4.0bpw-h6` (-b 4.0 -hb 6; the doc's tiny model at 4.0 bpw mixed 2/3/4/5/8-bit
 groups) and `exl2-6.0bpw-h8` (5/6/8-bit groups, an 8-bit head). No 2.5 bpw one: its mostly 2-bit
-tensors would likely fail `common.MAX_REL_WEIGHT_ERROR` (0.3) on random weights.
+tensors would fail the weight sanity bound on random weights (even at 4.0 bpw the converter gives
+the first layer 2- and 3-bit groups: relative error 0.40, hence this tool's bound of 0.6).
 
 Wheels to carry (not in the device image; pandas, pyarrow, ninja, safetensors, tokenizers, rich,
 pygments, regex and pillow are): exllamav2==0.3.2 (pure Python, JIT-builds its extension on first
@@ -53,10 +51,12 @@ the built extension stays in /tmp/torch_ext):
     && export PYTHONPATH=/tmp/site:scripts TORCH_EXTENSIONS_DIR=/tmp/torch_ext MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 \
     && python3 -c "import exllamav2, exllamav2.ext" \
     && python3 -c "from pathlib import Path; from quant_fixtures.common import build_source; build_source(Path('/tmp/exl2-src'))" \
-    && python3 -m quant_fixtures.exllamav2_fixtures --source /tmp/exl2-src --out-root $OUT/checkpoints
+    && python3 -m quant_fixtures.exllamav2_fixtures --source /tmp/exl2-src --out-root /tmp/fx/checkpoints \
+    && tar czf $OUT/exl2.tgz -C /tmp/fx checkpoints references
 
-Back here, `files_at/checkpoints/<fixture>/` goes to tests/quant/data/checkpoints/ and
-`files_at/references/<fixture>.safetensors` to tests/quant/data/references/.
+(one archive: the device returns at most 8 files, and the references are written beside the
+checkpoints' folder). Back here, its `checkpoints/<fixture>/` goes to tests/quant/data/checkpoints/
+and `references/<fixture>.safetensors` to tests/quant/data/references/.
 """
 
 from __future__ import annotations
@@ -181,6 +181,9 @@ def _fixture(bits: float, head_bits: int) -> Callable[[Path, Path], ToolReferenc
             tool_forward=_tool_forward(model),
             tool_logits_note="exllamav2 fp16 forward, one token at a time through an ExLlamaV2Cache (causal)",
             logits_tol=LOGITS_TOL,
+            # the converter gives this random model's first layer mostly 2- and 3-bit groups at
+            # 4.0 bpw (relative error 0.40 measured there)
+            max_rel_weight_error=0.6,
             notes=[
                 "Tool weights: get_weight_tensor_dq() (fp16 reconstruction), the MLP intermediate permutation "
                 "exllamav2 applies at load undone with argsort(down_proj.q_invperm).",

@@ -38,7 +38,7 @@ FIXTURES = (
     "gptq-4b-g128-sym", "gptq-4b-g32-asym-actorder", "gptq-4b-g64-asym-v2", "gptq-8b-perchannel-sym",
     "gptq-4b-g128-sym-lmhead", "awq-gemm-4b-g64", "awq-gemm-4b-g64-autoawq", "ct-w4a16-sym-g64",
     "ct-w4a16-asym-g64", "ct-w8a16-channel", "ct-w4a16-gptq-actorder-group", "ct-awq-asym-g64",
-    "ct-fp8-dynamic", "ct-fp8-static", "ct-naive-w8a8",
+    "ct-fp8-dynamic", "ct-fp8-static", "ct-naive-w8a8", "exl2-4.0bpw-h6", "exl2-6.0bpw-h8",
 )  # fmt: skip
 LOGIT_TOL = 1e-4
 LINEARS = {
@@ -132,7 +132,7 @@ def test_engine_greedy_continuations_match_the_reference(name: str) -> None:
     assert torch.equal(got, ref["greedy"]), f"{name}: first difference at {(got != ref['greedy']).nonzero()[:1].tolist()}"
 
 
-@pytest.mark.parametrize("name", ["gptq-4b-g32-asym-actorder", "ct-fp8-dynamic", "ct-naive-w8a8"])
+@pytest.mark.parametrize("name", ["gptq-4b-g32-asym-actorder", "ct-fp8-dynamic", "ct-naive-w8a8", "exl2-4.0bpw-h6"])
 def test_a_mixed_batch_gives_each_request_what_it_gets_alone(name: str) -> None:
     ref, _ = reference(name)
     prefix = ref["input_ids"][0].tolist()
