@@ -13,8 +13,10 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
   ceilings   copy bandwidth (the denominator of the GB/s fractions)
   bf16, w4   one engine without LoRA and one with --enable-lora --max-loras 16 on the same weights:
              64 requests (128-token prompts, 128 generated, greedy) with no adapter and with
-             1 / 4 / 16 distinct adapters spread round-robin; decode step time (median over steps
-             with 64 rows: CUDA graphs replayed), tok/s and the overhead against no LoRA; a greedy
+             1 / 4 / 16 distinct adapters spread round-robin, each level 3 times, interleaved; decode
+             step time (median over steps with 64 rows: CUDA graphs replayed; median of the rounds),
+             tok/s and the overhead against no LoRA, also paired per round against the LoRA
+             engine's rows on no adapter; a greedy
              check that an adapter changes the output and the base requests of a LoRA engine
              equal the plain engine's
   swap       a rank --swap-rank adapter on all 7 projections: disk -> host cache (load_adapter,
@@ -61,6 +63,7 @@ from paphos.lora.spec import SUPPORTED_MODULES  # noqa: E402
 
 BATCH, PROMPT, GENERATED = 64, 128, 128
 LEVELS = (0, 1, 4, 16)
+ROUNDS = 3  # runs per level, interleaved (_levels)
 
 
 def write_adapter(path: Path, config: dict[str, Any], rank: int, seed: int) -> Path:
@@ -139,24 +142,46 @@ def decode_run(llm: LLM, prompts: list[list[int]], names: list[str | None]) -> t
     return stats, {str(i): tokens[req_id] for i, req_id in enumerate(ids)}
 
 
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median step time, and every round's step time."""
+    ranked = sorted(runs, key=lambda r: r["step_ms"])
+    return {**ranked[len(ranked) // 2], "rounds_step_ms": [r["step_ms"] for r in runs]}
+
+
 def _levels(bench: LoRABench, model: str) -> dict[str, Any]:
+    """The engine without LoRA over ROUNDS runs, then the LoRA engine's levels interleaved over
+    ROUNDS rounds (no adapter, 1, 4, 16, again ...), so that a drift of the GPU's clocks during the
+    section lands on every level alike. Two overheads per level: against the engine without LoRA
+    (medians), and paired within each round against the LoRA engine's rows on no adapter (which
+    equal the plain engine's to a few tenths of a percent), the median of the rounds' ratios."""
     vocab = bench.config["vocab_size"]
     prompts = random_prompts(BATCH, PROMPT, vocab, seed=7)
     out: dict[str, Any] = {}
     plain = bench.engine(model, lora=False)
     decode_run(plain, prompts[:8], [None] * 8)  # warm-up
-    out["no_lora"], base_tokens = decode_run(plain, prompts, [None] * BATCH)
-    del plain
+    runs = [decode_run(plain, prompts, [None] * BATCH) for _ in range(ROUNDS)]
+    out["no_lora"], base_tokens = _median_run([r for r, _ in runs]), runs[0][1]
+    del plain, runs
     gc.collect()
     torch.cuda.empty_cache()
     llm = bench.engine(model, lora=True)
     # Warm-up: every adapter into the host cache (their disk loads stay out of the timings), slots, kernels.
     decode_run(llm, prompts[:16], [f"lora{i}" for i in range(16)])
+    rounds: dict[int, list[dict[str, Any]]] = {level: [] for level in LEVELS}
+    changed: dict[int, int] = {}
+    for _ in range(ROUNDS):
+        for level in LEVELS:
+            names = [None if level == 0 else f"lora{i % level}" for i in range(BATCH)]
+            stats, tokens = decode_run(llm, prompts, names)
+            rounds[level].append(stats)
+            changed[level] = sum(tokens[str(i)] != base_tokens[str(i)] for i in range(BATCH))
     for level in LEVELS:
-        names = [None if level == 0 else f"lora{i % level}" for i in range(BATCH)]
-        stats, tokens = decode_run(llm, prompts, names)
+        stats = _median_run(rounds[level])
         stats["overhead"] = stats["step_ms"] / out["no_lora"]["step_ms"] - 1
-        stats["changed_vs_base"] = sum(tokens[str(i)] != base_tokens[str(i)] for i in range(BATCH))
+        stats["overhead_paired"] = statistics.median(
+            r["step_ms"] / b["step_ms"] - 1 for r, b in zip(rounds[level], rounds[0], strict=True)
+        )
+        stats["changed_vs_base"] = changed[level]
         out[f"adapters_{level}"] = stats
     out["base_rows_equal_plain_engine"] = out["adapters_0"]["changed_vs_base"] == 0
     print_levels(model, out)
@@ -164,13 +189,15 @@ def _levels(bench: LoRABench, model: str) -> dict[str, Any]:
 
 
 def print_levels(title: str, out: dict[str, Any]) -> None:
-    print(f"\n{title}: {BATCH} requests, {PROMPT} in / {GENERATED} out")
-    print(f"{'adapters':>12} {'step ms':>8} {'decode tok/s':>13} {'overall tok/s':>14} {'overhead':>9} {'changed':>8}"
-          f" {'full steps':>10}")
+    print(f"\n{title}: {BATCH} requests, {PROMPT} in / {GENERATED} out; step ms: median of {ROUNDS} rounds")
+    print(f"{'adapters':>12} {'step ms':>8} {'decode tok/s':>13} {'overall tok/s':>14} {'overhead':>9} {'paired':>7}"
+          f" {'changed':>8} {'full steps':>10}  rounds (step ms)")
     for key in ("no_lora", *(f"adapters_{n}" for n in LEVELS)):
         s = out[key]
+        paired = f"{s['overhead_paired'] * 100:6.1f}%" if "overhead_paired" in s else f"{'-':>7}"
+        rounds = " ".join(f"{v:.2f}" for v in s["rounds_step_ms"])
         print(f"{key:>12} {s['step_ms']:8.2f} {s['decode_tok_s']:13.0f} {s['overall_tok_s']:14.0f} "
-              f"{s.get('overhead', 0) * 100:8.1f}% {s.get('changed_vs_base', '-'):>8} {s['full_steps']:>10}")  # fmt: skip
+              f"{s.get('overhead', 0) * 100:8.1f}% {paired} {s.get('changed_vs_base', '-'):>8} {s['full_steps']:>10}  {rounds}")  # fmt: skip
 
 
 def section_correctness(bench: LoRABench) -> dict[str, Any]:

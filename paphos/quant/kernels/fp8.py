@@ -31,9 +31,11 @@ o 11.6, down 33.7 us), 1.46-1.58x at M = 2-16, 1.45x at 32 (_scaled_mm 0.85-0.98
 At M = 64 _scaled_mm is ahead (1.04x bf16 against 0.93x); at 256 it runs 0.94-1.47x bf16 per
 shape.
 
-What still holds M = 1 back: x's quantization is a launch of its own before every GEMM (128 per
-decode step), and q|k|v and o are small enough (17-25 MB) that a kernel's ramp, first loads and
-split-K epilogue are a large part of it. Also measured and dropped: the quantization as the
+What still holds M = 1 back: q|k|v and o are small enough (17-25 MB) that a kernel's ramp, first
+loads and split-K epilogue are a large part of it. Not x's quantization launches (128 per decode
+step): the norms and SiLU x mul writing x's codes in their own kernels, 96 launches fewer, gave
+305 tok/s at batch 1 against 311 before (bench_quant_gpu.py), and was dropped. Also measured and
+dropped: the quantization as the
 kernel's prologue (each program takes the amax of the whole row and rounds its own K slice;
 1.0-1.4x slower at M = 1, up to 7.5x at M = 64: the amax and the IEEE divisions repeat in every
 program), L2 prefetches of the weights before `pdl.wait` or a few K steps ahead (0-25 % slower),
