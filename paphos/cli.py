@@ -243,7 +243,7 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add(lora, "--lora-dtype", default="auto", choices=LORA_DTYPES,
          help="dtype of adapter weights (default auto: the model's)")
     _add(lora, "--fully-sharded-loras", action="store_true",
-         help="shard adapters over tensor-parallel ranks (needs tensor parallelism; refused today)")
+         help="also shard the slices every rank holds whole (refused: -tp N slices adapters without it)")
 
 
 def parse_lora_module(text: str) -> LoRAModule:

@@ -237,7 +237,9 @@ class LoRAConfig:
         if self.lora_dtype not in LORA_DTYPES:
             raise ConfigError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.fully_sharded_loras:
-            raise ConfigError("--fully-sharded-loras needs tensor parallelism with LoRA, which is not supported yet")
+            # Each rank holds its slice of B (column-parallel) or of A (row-parallel) and the rest
+            # whole; sharding that too would cost a collective per projection.
+            raise ConfigError("--fully-sharded-loras is not supported (with -tp N each rank holds its slice of each adapter)")
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
         names = [m.name for m in self.lora_modules]
@@ -324,9 +326,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         tp = self.parallel.tensor_parallel_size
-        if tp > 1 and self.lora.enable_lora:
-            # Adapter slots would need the same column / row slices as the base layers.
-            raise ConfigError(f"--enable-lora with --tensor-parallel-size {tp} is not supported yet (use -tp 1)")
         if tp > 1 and self.scheduler.decode_lookahead:
             # The lookahead replays rank 0's next graph before the step is read back; the other
             # ranks would have to replay theirs at the same moment.

@@ -239,7 +239,7 @@ def test_lora_flags_take_aphrodites_names_and_both_module_forms(tmp_path):
     (["--enable-lora", "--max-lora-rank", "24"], "--max-lora-rank must be one of"),
     (["--enable-lora", "--max-loras", "0"], "--max-loras must be >= 1"),
     (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras (2) must be >= --max-loras (4)"),
-    (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras needs tensor parallelism"),
+    (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras is not supported"),
     (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
     (["--enable-lora", "--lora-modules", "a"], "expected name=path or a JSON object"),
     (["--enable-lora", "--lora-modules", '{"name": "a"}'], "needs string fields name and path"),
@@ -256,5 +256,5 @@ def test_tensor_parallel_flag(capsys):
     assert _configs()[0].parallel.tensor_parallel_size == 1
     assert cli.main(["run", "m", "-tp", "0"]) == 2
     assert "--tensor-parallel-size must be >= 1" in capsys.readouterr().err
-    assert cli.main(["run", "m", "-tp", "2", "--enable-lora"]) == 2
-    assert "--enable-lora with --tensor-parallel-size 2 is not supported yet" in capsys.readouterr().err
+    # LoRA slices per rank (docs/lora.md): the flags combine.
+    assert _configs("-tp", "2", "--enable-lora")[0].lora.enable_lora

@@ -42,15 +42,19 @@ def _vocab_weight(rows: Slice, embedding_dim: int, dtype: torch.dtype, sharded: 
 
 
 def _vocab_loader(rows: Slice) -> Any:
-    """Loads this rank's rows of a [vocab, hidden] checkpoint table, zero rows after them."""
+    """Loads this rank's rows of a [vocab, hidden] checkpoint table, zero rows after them. A
+    quantized head's tensors hold the vocabulary on their `output_dim`, possibly packed (GPTQ's
+    qzeros: 32 / bits rows per int32): their share of it, likewise."""
 
     def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"parameter takes no shards, got shard {shard_id!r}")
-        if loaded.shape[0] != rows.full:
+        dim = getattr(param, "output_dim", 0)
+        if loaded.dim() <= dim or loaded.shape[dim] * rows.padded != param.shape[dim] * rows.full:
             copy_checked(param.data, loaded)  # raises, naming both shapes
-        copy_checked(param.data[: rows.length], loaded[rows.start : rows.start + rows.length])
-        param.data[rows.length :].zero_()
+        part = rows.narrow(loaded, dim)
+        copy_checked(param.data.narrow(dim, 0, part.shape[dim]), part)
+        param.data.narrow(dim, part.shape[dim], param.shape[dim] - part.shape[dim]).zero_()
 
     return load
 

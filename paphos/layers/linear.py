@@ -131,13 +131,16 @@ class LinearBase(nn.Module):
     def _rank_part(self, param: torch.Tensor, loaded: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor, along the parameter's `output_dim` /
         `input_dim` (scaled: a packed parameter keeps its share). A row-parallel bias is added
-        once, by rank 0: the other ranks hold zeros."""
+        once, by rank 0: the other ranks hold zeros. A parameter marked `tp_replicated` holds
+        values for every input column and is copied whole by a row-parallel layer."""
         rows, cols = self.tp_rows(index), self.tp_cols()
         if not rows.is_whole:
             loaded = rows.narrow(loaded, getattr(param, "output_dim", 0))
         if not cols.is_whole:
             if param is self.bias:
                 return loaded if self.tp.rank == 0 else torch.zeros_like(loaded)
+            if getattr(param, "tp_replicated", False):
+                return loaded  # the same on every rank (e.g. per-output-channel scales)
             dim = getattr(param, "input_dim", None)
             if dim is None:
                 raise ValueError(f"{type(self).__name__}: a parameter without input_dim cannot be split by input")
@@ -247,11 +250,8 @@ class QKVLinear(LinearBase):
     ) -> None:
         self.tp = parallel.current()
         self.sharded = self.tp.size > 1
-        heads, kv_heads = self.tp.split(num_heads), parallel.kv_head_slice(num_kv_heads, self.tp)
-        self.num_heads, self.num_kv_heads = heads.length, kv_heads.length
-        self._rows = [
-            Slice(s.start * head_dim, s.length * head_dim, s.full * head_dim) for s in (heads, kv_heads, kv_heads)
-        ]
+        self._rows = parallel.qkv_rows(num_heads, num_kv_heads, head_dim, self.tp)
+        self.num_heads, self.num_kv_heads = self._rows[0].length // head_dim, self._rows[1].length // head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         super().__init__(

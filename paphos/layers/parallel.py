@@ -82,11 +82,11 @@ class TPGroup:
         start = min(self.rank * part, total)
         return Slice(start, min(part, total - start), total, part)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sums `x` over the ranks, in place; returns it."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sums `x` over the ranks (`op` "max": the largest value), in place; returns it."""
         import torch.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +129,15 @@ def building(tp: TPGroup) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
+def row_amax(tp: TPGroup, x: torch.Tensor) -> torch.Tensor:
+    """max |x| of each token's whole input row [M, 1] fp32, where each rank of a row-parallel
+    layer holds some columns of x: the ranks' maxima, all-reduced. Dynamic per-token activation
+    quantization (FP8, int8) scales a token by its whole row, as `-tp 1` does; each rank's own
+    columns would give each rank another scale, and other numbers than `-tp 1`."""
+    amax = x.reshape(-1, x.shape[-1]).float().abs().amax(dim=-1, keepdim=True)
+    return tp.all_reduce(amax, op="max")
+
+
 def kv_head_slice(num_kv_heads: int, tp: TPGroup) -> Slice:
     """This rank's KV heads: an even share when they divide by the group size; else (fewer KV
     heads than ranks, each a multiple of them) the one KV head its query heads read, replicated
@@ -138,3 +147,10 @@ def kv_head_slice(num_kv_heads: int, tp: TPGroup) -> Slice:
     if tp.size % num_kv_heads:
         raise ValueError(f"{num_kv_heads} KV heads cannot be split or replicated over {tp.size} ranks")
     return Slice(tp.rank * num_kv_heads // tp.size, 1, num_kv_heads)
+
+
+def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int, tp: TPGroup) -> list[Slice]:
+    """The output rows of q, k and v a rank of a column-parallel q|k|v projection holds: its
+    query heads and the KV heads they read (`kv_head_slice`), head_dim rows each."""
+    heads, kv_heads = tp.split(num_heads), kv_head_slice(num_kv_heads, tp)
+    return [Slice(s.start * head_dim, s.length * head_dim, s.full * head_dim) for s in (heads, kv_heads, kv_heads)]

@@ -10,18 +10,26 @@ references are evicted first. Adapters referenced by unfinished requests are nev
 the cache may exceed its capacity while more distinct adapters than that are in flight, and
 shrinks back as they finish. On a GPU the tensors are pinned, so slot loads copy asynchronously at
 full bus speed.
+
+Tensor parallelism (`-tp N`): every rank's cache holds its rank's part of each adapter (`slices`,
+peft.py `LoRAAdapter.rank_part`). Requests reach the engine core (rank 0) only, so rank 0's cache
+lists each adapter it starts loading (`take_announced`); the step message carries them to the
+other ranks, whose caches start loading them at once (`announce`) and wait for the load, or load
+again what they evicted, when a step's slot needs it (`get`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from paphos.core.protocol import LoRARequest
+from paphos.layers.parallel import Slice
 from paphos.lora.peft import LoRAAdapter, load_adapter
 from paphos.lora.spec import LoRAModelSpec
 
@@ -36,13 +44,20 @@ class LoadFailure:
 
 class AdapterHostCache:
     def __init__(
-        self, spec: LoRAModelSpec, max_rank: int, dtype: torch.dtype, capacity: int, pin_memory: bool
-    ) -> None:
+        self, spec: LoRAModelSpec, max_rank: int, dtype: torch.dtype, capacity: int, pin_memory: bool,
+        slices: Mapping[str, tuple[Slice, Slice]] | None = None, announces: bool = False,
+    ) -> None:  # fmt: skip
+        """`slices`: this tensor-parallel rank's part of each PEFT module (None: whole adapters);
+        `announces`: rank 0 of a tensor-parallel group (module docstring)."""
         self.spec = spec
         self.max_rank = max_rank
         self.dtype = dtype
         self.capacity = capacity
         self.pin_memory = pin_memory
+        self.slices = slices
+        self._announced: list[LoRARequest] | None = [] if announces else None
+        # A follower's adapters by id, as rank 0 announced them: loaded again when evicted.
+        self._known: dict[int, LoRARequest] = {}
         self._entries: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._loading: dict[int, Future[LoRAAdapter]] = {}
         self._users: Counter[int] = Counter()
@@ -56,6 +71,22 @@ class AdapterHostCache:
         if lora.lora_id in self._entries:
             self._entries.move_to_end(lora.lora_id)
         elif lora.lora_id not in self._loading:
+            self._loading[lora.lora_id] = self._executor.submit(self._load, lora)
+            if self._announced is not None:
+                self._announced.append(lora)
+
+    def take_announced(self) -> list[LoRARequest]:
+        """Rank 0: the adapters it started loading since the last call, for the other ranks."""
+        if self._announced is None:
+            return []
+        announced, self._announced = self._announced, []
+        return announced
+
+    def announce(self, lora: LoRARequest) -> None:
+        """A follower rank: rank 0 started loading `lora`; load this rank's part beside the steps.
+        Not referenced by requests (rank 0 counts those): trimmed least recently used."""
+        self._known[lora.lora_id] = lora
+        if lora.lora_id not in self._entries and lora.lora_id not in self._loading:
             self._loading[lora.lora_id] = self._executor.submit(self._load, lora)
 
     def release(self, lora_id: int) -> None:
@@ -79,6 +110,10 @@ class AdapterHostCache:
         return lora_id in self._entries
 
     def get(self, lora_id: int) -> LoRAAdapter:
+        if lora_id not in self._entries and lora_id in self._known:  # a follower's (`announce`)
+            future = self._loading.pop(lora_id, None)
+            self._entries[lora_id] = future.result() if future is not None else self._load(self._known[lora_id])
+            self._trim()
         adapter = self._entries[lora_id]
         self._entries.move_to_end(lora_id)
         return adapter
@@ -113,6 +148,8 @@ class AdapterHostCache:
 
     def _load(self, lora: LoRARequest) -> LoRAAdapter:
         adapter = load_adapter(lora.path, self.spec, self.max_rank, self.dtype)
+        if self.slices is not None:
+            adapter = adapter.rank_part(self.slices)
         if self.pin_memory:
             adapter.weights = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.weights.items()}
         logger.info("LoRA adapter %r loaded into host memory (rank %d, %.1f MiB)", lora.name, adapter.rank,

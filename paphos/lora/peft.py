@@ -38,6 +38,7 @@ from paphos.lora.errors import LoRAError, LoRANotFoundError
 from paphos.lora.spec import LORA_TARGETS, SUPPORTED_MODULES, LoRAModelSpec
 
 if TYPE_CHECKING:
+    from paphos.layers.parallel import Slice
     from paphos.loader.hub import RepoRef
 
 _T = TypeVar("_T")
@@ -110,6 +111,17 @@ class LoRAAdapter:
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+
+    def rank_part(self, slices: Mapping[str, tuple[Slice, Slice]]) -> LoRAAdapter:
+        """What a tensor-parallel rank holds: per PEFT module, (B's output rows, A's input
+        columns) of `slices`, as the base layer splits its weight. A column-parallel projection
+        keeps A whole and its rows of B; a row-parallel one its columns of A and B whole, so
+        B (A_r x_r) summed by the layer's all-reduce is B A x: no collective of its own."""
+        weights = {}
+        for (layer, module), (a, b) in self.weights.items():
+            rows, cols = slices[module]
+            weights[(layer, module)] = (cols.narrow(a, 1).contiguous(), rows.narrow(b, 0).contiguous())
+        return LoRAAdapter(self.path, self.rank, weights)
 
 
 def resolve_adapter_path(path: str) -> str:

@@ -30,13 +30,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from paphos.layers.parallel import Slice
 from paphos.lora.host_cache import AdapterHostCache
 from paphos.lora.kernels import triton_sgmv
 from paphos.lora.layers import LoRABatch, LoRALinear, adapter_slices
 from paphos.lora.peft import LoRAAdapter
-from paphos.lora.spec import LORA_TARGETS
+from paphos.lora.spec import LORA_TARGETS, lora_projections
 
 logger = logging.getLogger(__name__)
+
+
+def rank_slices(model: Any) -> dict[str, tuple[Slice, Slice]] | None:
+    """A tensor-parallel rank's part of each PEFT module, (B's output rows, A's input columns): the
+    rows and columns its base layer holds (the same in every decoder layer); None unsharded."""
+    slices = {}
+    for ours, linear in lora_projections(model.model.layers[0]):
+        for i, module in enumerate(LORA_TARGETS[ours]):
+            slices[module] = (linear.tp_rows(i), linear.tp_cols())
+    return None if all(rows.is_whole and cols.is_whole for rows, cols in slices.values()) else slices
 
 
 class AdapterSlots:
@@ -53,8 +64,8 @@ class AdapterSlots:
         # (layer index, PEFT modules of the projection, its LoRALinear), for slot loads.
         self.projections: list[tuple[int, tuple[str, ...], LoRALinear]] = []
         for layer_idx, layer in enumerate(model.model.layers):
-            for name, linear in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                                 ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            # This rank's sizes with tensor parallelism: the host cache holds adapters sliced alike.
+            for name, linear in lora_projections(layer):
                 lora = LoRALinear(linear.output_sizes, linear.input_size, max_rank, self.batch, dtype)
                 linear.lora = lora
                 self.projections.append((layer_idx, LORA_TARGETS[name], lora))

@@ -29,13 +29,18 @@ class LoRAModelSpec:
     shapes: Mapping[str, tuple[int, int]]
 
 
-def lora_model_spec(model: Any) -> LoRAModelSpec:
-    """The spec of a loaded Llama-shaped model (models/llama.py and its subclasses)."""
-    layer = model.model.layers[0]
+def lora_projections(layer: Any) -> tuple[tuple[str, Any], ...]:
+    """(our merged projection's name, its linear layer) of a Llama-shaped decoder layer."""
     attn, mlp = layer.self_attn, layer.mlp
+    return (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
+            ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj))  # fmt: skip
+
+
+def lora_model_spec(model: Any) -> LoRAModelSpec:
+    """The spec of a loaded Llama-shaped model (models/llama.py and its subclasses): the whole
+    checkpoint's shapes, also when a tensor-parallel rank holds a slice of each projection."""
     shapes: dict[str, tuple[int, int]] = {}
-    for ours, linear in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
-                         ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
-        for name, out in zip(LORA_TARGETS[ours], linear.output_sizes, strict=True):
-            shapes[name] = (linear.input_size, out)
+    for ours, linear in lora_projections(model.model.layers[0]):
+        for i, name in enumerate(LORA_TARGETS[ours]):
+            shapes[name] = (linear.tp_cols().full, linear.tp_rows(i).full)
     return LoRAModelSpec(num_layers=len(model.model.layers), shapes=shapes)

@@ -11,6 +11,10 @@ The layout, per linear (4-bit, group g):
 w[k, n] = (q[k, n] - z[k // g, n]) * scales[k // g, n]. AWQ's activation smoothing is folded into
 the checkpoint's RMSNorm weights, which load like any other tensor. The GEMV and GEMV-fast
 layouts (`version: "gemv"`, `"gemv_fast"`) are other packings and are refused by name.
+
+Tensor parallelism (int_linear.py): column-parallel ranks take whole packed words of output
+columns (8 per int32, the interleaving stays inside a word); row-parallel ranks whole groups of
+input rows, with their scales and zeros.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from paphos.quant.errors import QuantConfigError, field_value
 from paphos.quant.int_linear import (
     IntKernelLog,
     IntLinearMethod,
+    IntQuantConfig,
     Unpacked,
     add_param,
+    groups_of,
     unpack_along_cols,
 )
 
@@ -38,12 +44,15 @@ class AWQLayout:
     group_size: int
     bits: int = 4
     int8_activations = False
+    packed_along_output = ("qweight", "qzeros")
+    packed_along_input = ()
+    regroups_inputs = False
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
-        groups = -(-input_size // self.group_size)
-        add_param(layer, "qweight", (input_size, output_size // 8), torch.int32, output_dim=1)
-        add_param(layer, "qzeros", (groups, output_size // 8), torch.int32, output_dim=1)
-        add_param(layer, "scales", (groups, output_size), torch.float32, output_dim=1)
+        groups = groups_of(layer, self.group_size, replicated=False)
+        add_param(layer, "qweight", (input_size, output_size // 8), torch.int32, output_dim=1, input_dim=0)
+        add_param(layer, "qzeros", (groups, output_size // 8), torch.int32, output_dim=1, input_dim=0)
+        add_param(layer, "scales", (groups, output_size), torch.float32, output_dim=1, input_dim=0)
 
     def unpack(self, layer: nn.Module) -> Unpacked:
         n = layer.scales.shape[1]
@@ -56,7 +65,7 @@ class AWQLayout:
         )
 
 
-class AWQConfig:
+class AWQConfig(IntQuantConfig):
     """The QuantConfig of an AutoAWQ GEMM checkpoint."""
 
     name = "awq"

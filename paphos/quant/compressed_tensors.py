@@ -20,6 +20,10 @@ Integer layouts, per linear (codes stored unsigned: q + 2**(bits-1); zero points
   naive-quantized  weight             int8  [N, K]              codes as signed values
                    weight_scale, weight_zero_point (int8 [N, G], signed), as above
 w[n, k] = (q[n, k] - z[n, g]) * scale[n, g].
+
+Tensor parallelism (int_linear.py): rows of N slice freely (the packed zero points by whole
+words); a row-parallel rank takes whole groups of K with their scales and zeros, or with act-order
+its rows' g_idx entries and every group's scales and zeros; per-channel scales stay whole.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from paphos.quant.errors import QuantConfigError, field_value
 from paphos.quant.int_linear import (
     IntKernelLog,
     IntLinearMethod,
+    IntQuantConfig,
     Unpacked,
     add_param,
+    groups_of,
     num_shards,
     per_shard_loader,
     unpack_along_cols,
@@ -101,17 +107,24 @@ class _SchemeLayout:
     def int8_activations(self) -> bool:
         return self.scheme.int8_activations
 
-    def groups(self, input_size: int) -> int:
-        return 1 if self.group_size < 0 else -(-input_size // self.group_size)
+    @property
+    def regroups_inputs(self) -> bool:
+        return self.scheme.act_order
 
 
 class PackedLayout(_SchemeLayout):
     """pack-quantized (module docstring)."""
 
+    packed_along_input = ("weight_packed",)
+
+    @property
+    def packed_along_output(self) -> tuple[str, ...]:
+        return () if self.scheme.symmetric else ("weight_zero_point",)
+
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         per = 32 // self.bits
-        add_param(layer, "weight_packed", (output_size, -(-input_size // per)), torch.int32, output_dim=0)
-        _add_common(layer, self.scheme, input_size, output_size, self.groups(input_size), packed_zeros=True)
+        add_param(layer, "weight_packed", (output_size, -(-input_size // per)), torch.int32, output_dim=0, input_dim=1)
+        _add_common(layer, self.scheme, input_size, output_size, packed_zeros=True)
 
     def unpack(self, layer: nn.Module) -> Unpacked:
         k = int(layer.weight_shape[0, 1])
@@ -122,18 +135,26 @@ class PackedLayout(_SchemeLayout):
 class NaiveLayout(_SchemeLayout):
     """naive-quantized: signed codes one per int8 (module docstring)."""
 
+    packed_along_output = ()
+    packed_along_input = ()
+
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
-        add_param(layer, "weight", (output_size, input_size), torch.int8, output_dim=0)
-        _add_common(layer, self.scheme, input_size, output_size, self.groups(input_size), packed_zeros=False)
+        add_param(layer, "weight", (output_size, input_size), torch.int8, output_dim=0, input_dim=1)
+        _add_common(layer, self.scheme, input_size, output_size, packed_zeros=False)
 
     def unpack(self, layer: nn.Module) -> Unpacked:
         codes = layer.weight.data.to(torch.int64) + (1 << (self.bits - 1))
         return _unpacked(layer, self.scheme, codes, packed_zeros=False)
 
 
-def _add_common(layer: nn.Module, scheme: IntScheme, input_size: int, output_size: int, groups: int, packed_zeros: bool) -> None:
+def _add_common(layer: nn.Module, scheme: IntScheme, input_size: int, output_size: int, packed_zeros: bool) -> None:
+    # A row-parallel rank's scale groups: its own (whole groups of its input rows), or every
+    # group (per channel: the one; act-order: its rows may use any of them).
+    whole = scheme.act_order or scheme.group_size < 0
+    groups = groups_of(layer, scheme.group_size, replicated=whole)
+    input_dim = None if whole else 1
     # float32 holds the file's bf16/fp16 scales exactly; the kernels take them in the model dtype
-    add_param(layer, "weight_scale", (output_size, groups), torch.float32, output_dim=0)
+    add_param(layer, "weight_scale", (output_size, groups), torch.float32, output_dim=0, input_dim=input_dim, replicated=whole)
     shards = num_shards(layer)
     add_param(layer, "weight_shape", (shards, 2), torch.int64, None, per_shard_loader(layer))
     layer.weight_shape.optional_in_checkpoint = True  # naive-quantized files do not write it
@@ -141,11 +162,11 @@ def _add_common(layer: nn.Module, scheme: IntScheme, input_size: int, output_siz
     if not scheme.symmetric:
         if packed_zeros:
             rows = -(-output_size * scheme.bits // 32)
-            add_param(layer, "weight_zero_point", (rows, groups), torch.int32, output_dim=0)
+            add_param(layer, "weight_zero_point", (rows, groups), torch.int32, output_dim=0, input_dim=input_dim, replicated=whole)
         else:
-            add_param(layer, "weight_zero_point", (output_size, groups), torch.int8, output_dim=0)
+            add_param(layer, "weight_zero_point", (output_size, groups), torch.int8, output_dim=0, input_dim=input_dim, replicated=whole)
     if scheme.act_order:
-        add_param(layer, "weight_g_idx", (shards, input_size), torch.int32, None, per_shard_loader(layer))
+        add_param(layer, "weight_g_idx", (shards, input_size), torch.int32, None, per_shard_loader(layer, True))
 
 
 def _unpacked(layer: nn.Module, scheme: IntScheme, codes: torch.Tensor, packed_zeros: bool) -> Unpacked:
@@ -167,7 +188,7 @@ def _unpacked(layer: nn.Module, scheme: IntScheme, codes: torch.Tensor, packed_z
     )
 
 
-class CompressedTensorsIntConfig:
+class CompressedTensorsIntConfig(IntQuantConfig):
     """The QuantConfig of an integer-weight compressed-tensors checkpoint."""
 
     name = "compressed-tensors"

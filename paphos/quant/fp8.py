@@ -15,6 +15,15 @@ channel ([N, 1] or [N]) or per tensor ([1] or 0-d); input_scale per tensor. Per-
 expanded to the rows of their shard at load, so a merged q|k|v or gate|up layer keeps each part's
 own scale; merged static input scales take the max over the parts (the weight scales being per
 row, that costs nothing but a slightly coarser activation grid for the smaller parts).
+
+Tensor parallelism (`-tp N`): the weight slices like a float one (output rows for q|k|v and
+gate|up, input columns for o_proj and down_proj); per-channel scales follow the output rows and
+stay whole in row-parallel layers; per-tensor weight scales (expanded to their shard's rows) and
+static input scales are the same on every rank. Scales that `-tp 1` takes over a whole row stay
+whole-row scales, so every rank rounds exactly as `-tp 1` does: `-q fp8` weight scales are
+computed at load from the checkpoint's whole rows (not the rank's columns), and a row-parallel
+layer's dynamic per-token activation scales from the token's whole row, its maximum all-reduced
+over the ranks (one small all-reduce of M values, layers/parallel.py `row_amax`).
 """
 
 from __future__ import annotations
@@ -29,13 +38,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.layers.parallel import row_amax
 from paphos.layers.weights import ShapeMismatchError, copy_checked
 from paphos.quant.errors import QuantConfigError
 from paphos.quant.kernels.fp8 import (
     FP8_DTYPE,
+    amax_scales,
     fake_quantize,
     fp8_linear,
+    quantize_rows,
     reference_quantize,
+    row_scales,
     scaled_mm_unsupported,
 )
 from paphos.quant.modules import checkpoint_modules, matches
@@ -76,18 +89,24 @@ class Fp8LinearMethod:
         self.out_dtype = torch.float32
         self.kernel: str | None = None  # FP8_GEMM or DEQUANTIZED once loaded
         self.reason: str | None = None  # why not FP8_GEMM
+        self.row_parallel = False
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
     ) -> None:
         self.out_dtype = params_dtype
+        # A rank of a row-parallel layer: it holds some of the input columns.
+        self.row_parallel = not layer.tp_cols().is_whole
         if not self.from_checkpoint:
             weight = nn.Parameter(
                 torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False
             )
             weight.output_dim = 0  # type: ignore[attr-defined]
+            weight.input_dim = 1  # type: ignore[attr-defined]
             weight.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
             layer.register_parameter("weight", weight)
+            if self.row_parallel:
+                self._scale_whole_rows(layer, weight, output_size)
             return
 
         def load_weight(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -100,13 +119,18 @@ class Fp8LinearMethod:
             n = rows.shape[0]
             if loaded.numel() == 1:  # per tensor: every row of the shard
                 rows.fill_(float(loaded.reshape(())))
-            elif tuple(loaded.shape) in ((n,), (n, 1)):
+                return
+            mine = layer.tp_rows(0 if shard_id is None else layer.shard_index(shard_id))
+            if loaded.shape[0] == mine.full != n:  # per channel, column-parallel: this rank's rows
+                loaded = mine.narrow(loaded, 0)
+            if tuple(loaded.shape) in ((n,), (n, 1)):
                 copy_checked(rows, loaded.reshape(n))
             else:
                 raise ShapeMismatchError((n, 1), tuple(loaded.shape))
 
         weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
         weight.output_dim = 0  # type: ignore[attr-defined]
+        weight.input_dim = 1  # type: ignore[attr-defined]
         weight.weight_loader = load_weight  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
         scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
@@ -126,9 +150,28 @@ class Fp8LinearMethod:
             input_scale.weight_loader = load_input_scale  # type: ignore[attr-defined]
             layer.register_parameter("input_scale", input_scale)
 
+    def _scale_whole_rows(self, layer: nn.Module, weight: nn.Parameter, output_size: int) -> None:
+        """`-q fp8` on a row-parallel layer: the per-channel scales of the whole rows, computed
+        as each checkpoint tensor arrives whole (before the layer's loader takes this rank's
+        columns), into `weight_scale`."""
+        scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
+        scale.optional_in_checkpoint = True  # type: ignore[attr-defined]  # filled by the weight's loader
+        layer.register_parameter("weight_scale", scale)
+        load_columns = weight.weight_loader  # type: ignore[attr-defined]
+
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+            # In the model dtype first, as `-tp 1` computes them from the loaded parameter.
+            copy_checked(scale.data, row_scales(loaded.to(param.dtype)).view(-1))
+            load_columns(param, loaded, shard_id)
+
+        weight.weight_loader = load  # type: ignore[attr-defined]
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.from_checkpoint:
-            q, scale = reference_quantize(layer.weight.data)  # per output channel: amax / 448
+            if hasattr(layer, "weight_scale"):  # whole rows' scales, from the loader
+                q, scale = quantize_rows(layer.weight.data, layer.weight_scale.data[:, None]), layer.weight_scale.data
+            else:
+                q, scale = reference_quantize(layer.weight.data)  # per output channel: amax / 448
             # New parameters, so the float weight's memory goes with the old one.
             layer.weight = nn.Parameter(q, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale.view(-1), requires_grad=False)
@@ -151,6 +194,8 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         input_scale = layer.input_scale if self.activation == "static" else None
+        if self.activation == "dynamic" and self.row_parallel:  # each token scaled by its whole row
+            input_scale = amax_scales(row_amax(layer.tp, x))
         if self.kernel == FP8_GEMM:
             return fp8_linear(x, layer.weight, layer.weight_scale, input_scale, self.out_dtype, bias)
         if self.kernel is None:

@@ -12,6 +12,9 @@ The layout, per linear (4-bit g128 shown; 8-bit packs 4 codes per word):
 w[k, n] = scales[g, n] * (q[k, n] - z[g, n]), g = g_idx[k]. The v1 format
 (`checkpoint_format: "gptq"`) stores z - 1, modulo 2**bits (a zero of 0 is stored as 2**bits - 1);
 v2 (`gptq_v2`) stores z.
+
+Tensor parallelism (int_linear.py): a row-parallel rank takes its rows of qweight and g_idx and
+every group's scales and zeros, keeping those its rows use after loading.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from paphos.quant.errors import QuantConfigError, field_value
 from paphos.quant.int_linear import (
     IntKernelLog,
     IntLinearMethod,
+    IntQuantConfig,
     Unpacked,
     add_param,
+    groups_of,
     num_shards,
     per_shard_loader,
     unpack_along_cols,
@@ -44,18 +49,28 @@ class GPTQLayout:
     bits: int
     group_size: int
     version: int  # 1: zeros stored minus one; 2: stored as they are
+    act_order: bool = False  # desc_act: g_idx groups rows out of order
     int8_activations = False
+    packed_along_output = ("qzeros",)
+    packed_along_input = ("qweight",)
+
+    @property
+    def regroups_inputs(self) -> bool:
+        return self.act_order
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         per = 32 // self.bits
-        groups = 1 if self.group_size <= 0 else -(-input_size // self.group_size)
-        add_param(layer, "qweight", (input_size // per, output_size), torch.int32, output_dim=1)
-        add_param(layer, "qzeros", (groups, output_size // per), torch.int32, output_dim=1)
+        groups = groups_of(layer, self.group_size, replicated=True)
+        add_param(layer, "qweight", (input_size // per, output_size), torch.int32, output_dim=1, input_dim=0)
+        add_param(layer, "qzeros", (groups, output_size // per), torch.int32, output_dim=1, replicated=True)
         # float32 holds the file's fp16 scales exactly; the kernels take them in the model dtype
-        add_param(layer, "scales", (groups, output_size), torch.float32, output_dim=1)
-        add_param(layer, "g_idx", (num_shards(layer), input_size), torch.int32, None, per_shard_loader(layer))
+        add_param(layer, "scales", (groups, output_size), torch.float32, output_dim=1, replicated=True)
+        add_param(layer, "g_idx", (num_shards(layer), input_size), torch.int32, None, per_shard_loader(layer, True))
         layer.g_idx.optional_in_checkpoint = True  # some AutoGPTQ files without act-order omit it
-        layer.g_idx.data.copy_(torch.arange(input_size) // (self.group_size if self.group_size > 0 else input_size))
+        # The checkpoint's groups of this rank's input rows (all of them without tensor parallelism).
+        cols = layer.tp_cols()
+        rows = torch.arange(cols.start, cols.start + input_size)
+        layer.g_idx.data.copy_(rows // (self.group_size if self.group_size > 0 else cols.full))
 
     def unpack(self, layer: nn.Module) -> Unpacked:
         k, n = layer.qweight.shape[0] * 32 // self.bits, layer.qweight.shape[1]
@@ -74,7 +89,7 @@ class GPTQLayout:
         )
 
 
-class GPTQConfig:
+class GPTQConfig(IntQuantConfig):
     """The QuantConfig of a GPTQ checkpoint. GPTQModel's `dynamic` maps module-name regexes to
     overrides (`bits`, `group_size`; a "-:" prefix leaves the modules unquantized), e.g. an 8-bit
     group-32 `lm_head` in a 4-bit group-128 model; a merged layer's parts must agree."""
@@ -135,4 +150,4 @@ def _layout(qc: dict[str, Any], version: int, where: str) -> GPTQLayout:
     group_size = qc.get("group_size", 128)
     if not isinstance(group_size, int) or (group_size != -1 and (group_size <= 0 or group_size % 8)):
         raise QuantConfigError(field_value(f"{where}group_size", group_size, "a positive multiple of 8, or -1"))
-    return GPTQLayout(bits, group_size, version)
+    return GPTQLayout(bits, group_size, version, bool(qc.get("desc_act", False)))

@@ -17,6 +17,17 @@ fills them -> `process_weights_after_loading` unpacks them to one common form (`
 and frees the checkpoint tensors. `IntKernelLog` counts the choice per layer so start-up logs it
 in one line per outcome ("Using Marlin-class kernels for N layers", and every other path with its
 reason).
+
+Tensor parallelism (`-tp N`, docs/tensor-parallel.md): the layer's loader copies the rank's slice
+of each checkpoint tensor before anything is unpacked, so each rank packs its own shard into the
+same kernel layout. Column-parallel layers (q|k|v, gate|up, the vocabulary head) take whole output
+columns (`output_dim`); row-parallel ones (o_proj, down_proj) a range of input rows (`input_dim`):
+whole groups, whose scales and zeros slice with them. Layouts with a `g_idx` (GPTQ, act-order
+compressed-tensors) instead keep every group's scales and zeros (`tp_replicated`) and take their
+rows' g_idx entries; after loading, `keep_used_groups` keeps the groups the rank's rows use. Packed
+words must not be cut and groups must be whole unless the layout regroups its rows (act-order):
+`IntLinearMethod.tp_split_problem` says why a split fails; worker/tensor_parallel.py asks it before
+any other rank starts.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.layers.parallel import Slice, row_amax
 from paphos.layers.weights import copy_checked
 
 logger = logging.getLogger(__name__)
@@ -55,6 +67,12 @@ class IntLayout(Protocol):
     bits: int
     group_size: int  # -1: one group over the whole input (per output channel)
     int8_activations: bool  # round x to int8 per token before the matmul (W8A8 checkpoints)
+    # Checkpoint tensors packing 32 / bits values per int32 along the output / the input axis:
+    # a tensor-parallel rank's columns / rows of them must be whole words.
+    packed_along_output: tuple[str, ...]
+    packed_along_input: tuple[str, ...]
+    # Input rows carry their group in a g_idx (act-order): any range of rows splits.
+    regroups_inputs: bool
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         """Register the checkpoint's tensors on `layer` (see `add_param`)."""
@@ -94,25 +112,58 @@ def add_param(
     dtype: torch.dtype,
     output_dim: int | None,
     loader: Callable[..., None] | None = None,
+    input_dim: int | None = None,
+    replicated: bool = False,
 ) -> None:
     """A checkpoint tensor as a parameter: sliced per shard on `output_dim` by the layer's own
-    loader (merged layers), or filled by `loader`."""
+    loader (merged layers), or filled by `loader`. A row-parallel layer's loader takes the
+    rank's share of `input_dim`, or (`replicated`: a value per group of the whole input, or one
+    for all of it) copies the tensor whole."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     if output_dim is not None:
         param.output_dim = output_dim  # type: ignore[attr-defined]
+    if input_dim is not None:
+        param.input_dim = input_dim  # type: ignore[attr-defined]
+    param.tp_replicated = replicated  # type: ignore[attr-defined]
     param.weight_loader = loader or layer.weight_loader  # type: ignore[attr-defined]
     layer.register_parameter(name, param)
 
 
-def per_shard_loader(layer: nn.Module) -> Callable[..., None]:
+def per_shard_loader(layer: nn.Module, by_input: bool = False) -> Callable[..., None]:
     """Loader of a [shards, ...] parameter whose row s is shard s's own tensor (act-order g_idx:
-    each of q, k and v has one over the same input)."""
+    each of q, k and v has one over the same input). `by_input`: one entry per input row, of
+    which a row-parallel layer keeps its own."""
 
     def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         row = 0 if shard_id is None else layer.shard_index(shard_id)
+        cols = layer.tp_cols()
+        if by_input and not cols.is_whole:
+            loaded = cols.narrow(loaded, 0)
         copy_checked(param.data[row], loaded)
 
     return load
+
+
+def groups_of(layer: nn.Module, group_size: int, replicated: bool) -> int:
+    """Scale groups a layer's parameters hold along the input: those of its own input rows, or
+    (`replicated`: a layout with g_idx) every group of the checkpoint's input."""
+    k = layer.tp_cols().full if replicated else layer.tp_cols().length
+    return 1 if group_size <= 0 else -(-k // group_size)
+
+
+def keep_used_groups(u: Unpacked) -> Unpacked:
+    """A row-parallel rank's weight whose scales and zeros hold every group of the checkpoint and
+    whose `groups` are its input rows' checkpoint groups: only the groups used, renumbered in
+    order (so rows that were contiguous groups stay contiguous groups)."""
+    assert u.groups is not None
+    used = torch.unique(u.groups)
+    return Unpacked(
+        codes=u.codes,
+        scales=u.scales[:, used].contiguous(),
+        zeros=None if u.zeros is None else u.zeros[:, used].contiguous(),
+        groups=torch.searchsorted(used, u.groups),
+        shard_rows=u.shard_rows,
+    )
 
 
 def num_shards(layer: nn.Module) -> int:
@@ -174,11 +225,13 @@ def act_order_perm(u: Unpacked, group_size: int) -> tuple[torch.Tensor | None, s
     return perm, None
 
 
-def fake_quantize_int8(x: torch.Tensor) -> torch.Tensor:
+def fake_quantize_int8(x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
     """x rounded to symmetric int8 per token and back, as compressed-tensors computes dynamic W8A8
-    activations: scale = max|x| / 127.5 (the int8 range 255 over 2), round half to even, clamp."""
+    activations: scale = max|x| / 127.5 (the int8 range 255 over 2), round half to even, clamp.
+    `amax`: each token's max|x| [M, 1] over its whole row (a row-parallel rank's slice of x)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.5
+    amax = xf.abs().amax(dim=-1, keepdim=True) if amax is None else amax.reshape(*x.shape[:-1], 1)
+    scale = amax / 127.5
     scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
     return (torch.round(xf / scale).clamp(-128, 127) * scale).to(x.dtype)
 
@@ -194,13 +247,45 @@ class IntLinearMethod:
         self.layer_name = layer_name
         self.spec = None  # the Triton kernels' IntSpec once repacked for them
         self.int4pack_group: int | None = None  # the group size once packed for torch's CPU int4 matmul
+        self.row_parallel = False
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         self.params_dtype = params_dtype
+        self.row_parallel = not layer.tp_cols().is_whole  # a rank holding some of the input rows
         self.layout.create_params(layer, input_size, output_size, params_dtype)
+
+    def tp_split_problem(self, rows: list[Slice], cols: Slice) -> str | None:
+        """Why a tensor-parallel rank cannot hold output rows `rows` (per checkpoint shard) and
+        input rows `cols` of this layer's checkpoint tensors, or None (module docstring). The
+        message names the tensor or the field."""
+        per = 32 // self.layout.bits
+        for name in self.layout.packed_along_output:
+            for s in rows:
+                if not s.is_whole and (s.start % per or s.length % per or s.padded % per):
+                    return (
+                        f"{self.layer_name}.{name} packs {per} output columns per int32; a rank's columns "
+                        f"[{s.start}, {s.start + s.length}) of {s.full} are not whole words"
+                    )
+        if cols.is_whole:
+            return None
+        for name in self.layout.packed_along_input:
+            if cols.start % per or cols.length % per:
+                return (
+                    f"{self.layer_name}.{name} packs {per} input rows per int32; a rank's {cols.length} rows "
+                    f"of {cols.full} are not whole words"
+                )
+        group = self.layout.group_size
+        if group > 0 and not self.layout.regroups_inputs and (cols.start % group or cols.length % group):
+            return (
+                f"{self.layer_name}: quantization_config group_size {group}: a rank's {cols.length} input rows "
+                f"of {cols.full} are not whole groups (each rank's share must be a multiple of {group})"
+            )
+        return None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         u = self.layout.unpack(layer)
+        if u.groups is not None and self.row_parallel:
+            u = keep_used_groups(u)
         checkpoint_params = [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]
         group_size = self.layout.group_size if self.layout.group_size > 0 else u.codes.shape[1]
         perm, reason = act_order_perm(u, group_size)
@@ -262,7 +347,8 @@ class IntLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.layout.int8_activations:
-            x = fake_quantize_int8(x)
+            # A row-parallel rank scales each token by its whole row, as -tp 1 does.
+            x = fake_quantize_int8(x, row_amax(layer.tp, x) if self.row_parallel else None)
         if self.spec is None and self.int4pack_group is None:
             return F.linear(x, layer.dense_weight, bias)
         # x itself when it is 2-D: a view would drop the int8 parts its producer attached (x_int8)
@@ -287,3 +373,16 @@ class IntLinearMethod:
         from paphos.quant.kernels import triton_int
 
         return triton_int.int8_layout(self.spec)
+
+
+class IntQuantConfig:
+    """What the integer formats' QuantConfigs share: the start-up check of a tensor-parallel split
+    (worker/tensor_parallel.py)."""
+
+    def get_linear_method(self, prefix: str) -> IntLinearMethod | None:
+        raise NotImplementedError
+
+    def tp_split_problem(self, prefix: str, rows: list[Slice], cols: Slice) -> str | None:
+        """Why the layer at `prefix` cannot be split this way (naming its tensor), or None."""
+        method = self.get_linear_method(prefix)
+        return method.tp_split_problem(rows, cols) if method is not None else None

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
 
-from paphos.core.protocol import TokenLogprobs
+from paphos.core.protocol import LoRARequest, TokenLogprobs
 from paphos.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from paphos.lora.slots import AdapterSlots
 from paphos.sample.guided import GuidedState
@@ -112,11 +112,17 @@ class ModelRunner:
         return self._execute(scheduler_output)
 
     @torch.inference_mode()
-    def follow(self, scheduler_output: SchedulerOutput, sampled: list[tuple[str, int]]) -> None:
+    def follow(
+        self, scheduler_output: SchedulerOutput, sampled: list[tuple[str, int]], adapters: Sequence[LoRARequest] = ()
+    ) -> None:
         """A tensor-parallel follower's step: rank 0's `execute` of the same step without sampling.
-        `sampled`: the tokens rank 0 appended after its previous step. Every collective rank 0's
+        `sampled`: the tokens rank 0 appended after its previous step; `adapters`: LoRA adapters
+        rank 0 started loading (this rank loads its slices of them). Every collective rank 0's
         forward reaches (the layers' all-reduces, the head's gather, prompt-logprob rows) is
         reached here in the same order, from the same flat batch."""
+        if self.adapter_slots is not None:
+            for lora in adapters:
+                self.adapter_slots.host.announce(lora)
         for req_id, token in sampled:
             state = self.states.get(req_id)
             if state is not None:
@@ -125,10 +131,18 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return
         inputs = build_step_inputs(self.states, scheduler_output, self.block_size, self.uploader)
+        self._prepare_adapters(inputs.req_ids, scheduler_output)
         hidden, _ = self._forward(inputs)
         for rows, _targets in inputs.prompt_logprob_rows.values():
             assert hidden is not None
             self.model.compute_logits(hidden[rows])
+
+    def _prepare_adapters(self, req_ids: list[str], scheduler_output: SchedulerOutput) -> None:
+        """The step's adapter per token row, each adapter in a device slot (lora/slots.py)."""
+        if self.adapter_slots is not None:
+            self.adapter_slots.prepare(
+                [self.states[r].lora_id for r in req_ids], list(scheduler_output.num_scheduled_tokens.values())
+            )
 
     @torch.inference_mode()
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -140,10 +154,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], sampled_logprobs=[])
 
         inputs = build_step_inputs(self.states, scheduler_output, self.block_size, self.uploader)
-        if self.adapter_slots is not None:
-            self.adapter_slots.prepare(
-                [self.states[r].lora_id for r in inputs.req_ids], list(scheduler_output.num_scheduled_tokens.values())
-            )
+        self._prepare_adapters(inputs.req_ids, scheduler_output)
         num_reqs = len(inputs.req_ids)
         output = ModelRunnerOutput(inputs.req_ids, [[] for _ in range(num_reqs)], [[] for _ in range(num_reqs)])
         states = [self.states[inputs.req_ids[i]] for i in inputs.sampling_reqs]

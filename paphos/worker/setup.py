@@ -27,7 +27,7 @@ from paphos.default_model import default_cache_dir
 from paphos.layers import parallel
 from paphos.loader import ModelSource, load_model_source
 from paphos.lora.host_cache import AdapterHostCache
-from paphos.lora.slots import AdapterSlots
+from paphos.lora.slots import AdapterSlots, rank_slices
 from paphos.lora.spec import LoRAModelSpec, lora_model_spec
 from paphos.models.registry import resolve_model_class
 from paphos.quant.gguf.kernels import INT8_GROUPS_ON_CPU
@@ -168,7 +168,7 @@ def _build(
         member.barrier()  # every rank loaded: the profiling pass's collectives meet at once
     for line in getattr(quant_config, "summary", list)():
         logger.info("%s", line)
-    adapter_slots = _attach_lora(model, config, dtype, device) if config.lora.enable_lora else None
+    adapter_slots = _attach_lora(model, config, dtype, device, member) if config.lora.enable_lora else None
 
     kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
     num_blocks = num_blocks_for_budget(kv_spec, config.cache, _kv_budget_bytes(model, config, kv_spec, device))
@@ -227,13 +227,20 @@ def _build(
     )
 
 
-def _attach_lora(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> AdapterSlots:
-    """Device slots on every projection and the host cache that fills them (paphos/lora)."""
+def _attach_lora(
+    model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device, member: TPRank | None
+) -> AdapterSlots:
+    """Device slots on every projection and the host cache that fills them (paphos/lora); with
+    tensor parallelism each rank's hold its slice of every adapter, and rank 0 tells the others
+    which adapters to load through the step messages."""
     lora = config.lora
     lora_dtype = dtype if lora.lora_dtype == "auto" else _DTYPES[lora.lora_dtype]
     host = AdapterHostCache(
-        lora_model_spec(model), lora.max_lora_rank, lora_dtype, lora.cpu_capacity, pin_memory=device.type == "cuda"
-    )
+        lora_model_spec(model), lora.max_lora_rank, lora_dtype, lora.cpu_capacity, pin_memory=device.type == "cuda",
+        slices=rank_slices(model), announces=isinstance(member, TPDriver),
+    )  # fmt: skip
+    if isinstance(member, TPDriver):
+        member.announced_adapters = host.take_announced
     return AdapterSlots(model, host, lora.max_loras, lora.max_lora_rank, lora_dtype, device)
 
 

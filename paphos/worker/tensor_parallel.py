@@ -54,8 +54,9 @@ import torch
 import torch.distributed as dist
 
 from paphos.config import ConfigError, EngineConfig
+from paphos.core.protocol import LoRARequest
 from paphos.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from paphos.layers.parallel import TPGroup
+from paphos.layers.parallel import Slice, TPGroup, qkv_rows
 from paphos.models import hf_config as hf
 
 logger = logging.getLogger(__name__)
@@ -74,13 +75,7 @@ _HANG_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 # Formats whose sharding is not written: what would have to be split.
-_NOT_SHARDED = {
-    "gptq": "group scales, zeros and g_idx",
-    "awq": "group scales and zeros",
-    "compressed-tensors": "group scales",
-    "fp8": "scales",
-    "exl2": "rows and scales",
-}
+_NOT_SHARDED = {"exl2": "rows and scales"}
 
 
 class TensorParallelError(RuntimeError):
@@ -89,10 +84,13 @@ class TensorParallelError(RuntimeError):
 
 class StepMessage(msgspec.Struct, frozen=True, array_like=True):
     """What rank 0 sends the followers before each step. `sampled`: the (request id, token) pairs
-    rank 0 appended after the previous step; `scheduler_output`: this step's diff, None to stop."""
+    rank 0 appended after the previous step; `scheduler_output`: this step's diff, None to stop;
+    `adapters`: LoRA adapters rank 0 started loading since the last step (lora/host_cache.py), so
+    the followers load their slices before a step needs them."""
 
     sampled: list[tuple[str, int]]
     scheduler_output: SchedulerOutput | None
+    adapters: list[LoRARequest] = msgspec.field(default_factory=list)
 
 
 def check_tensor_parallel(config: EngineConfig, source: Any, quant_config: Any, device: torch.device) -> None:
@@ -116,16 +114,19 @@ def check_tensor_parallel(config: EngineConfig, source: Any, quant_config: Any, 
         raise ConfigError(f"--gguf-numerics {config.model.gguf_numerics} is not supported with {flag} yet")
     if quant_config is not None:
         from paphos.quant.gguf import GGUFQuantConfig
+        from paphos.quant.int_linear import IntQuantConfig
         from paphos.quant.registry import checkpoint_quantization
 
-        if not isinstance(quant_config, GGUFQuantConfig):
-            fmt = checkpoint_quantization(source)[0] or "fp8"
-            what = _NOT_SHARDED.get(fmt, "weights")
+        fmt = checkpoint_quantization(source)[0]
+        if fmt in _NOT_SHARDED:
             raise ConfigError(
-                f"{fmt} checkpoints are not supported with {flag} yet (sharding their {what} is not "
-                "written); run them with -tp 1"
+                f"{fmt} checkpoints are not supported with {flag} yet (sharding their {_NOT_SHARDED[fmt]} is "
+                "not written); run them with -tp 1"
             )
-        _check_gguf_columns(quant_config, n)
+        if isinstance(quant_config, GGUFQuantConfig):
+            _check_gguf_columns(quant_config, n)
+        elif isinstance(quant_config, IntQuantConfig):
+            _check_int_split(quant_config, text, n)
     if device.type == "cuda":
         first, count = device.index or 0, torch.cuda.device_count()
         if first + n > count:
@@ -152,6 +153,31 @@ def _check_gguf_columns(quant_config: Any, n: int) -> None:
                 f"--tensor-parallel-size {n}: GGUF tensor {name} ({tensor.tensor_type.name}, {cols} inputs) "
                 f"would give each rank {cols // n} inputs, not a multiple of its block of {block} values"
             )
+
+
+def _check_int_split(quant_config: Any, text: Any, n: int) -> None:
+    """An integer-code checkpoint (GPTQ, AWQ, compressed-tensors) is split along its packed words
+    and groups: every rank's slice of every quantized layer must be whole ones
+    (paphos/quant/int_linear.py `tp_split_problem`)."""
+    head_dim, heads = hf.head_dim(text), text.num_attention_heads
+    inter, vocab = text.intermediate_size, text.vocab_size
+    groups = [TPGroup(rank, n) for rank in range(n)]
+    # (layer prefix, each rank's (output rows per checkpoint shard, input rows)), as layers/linear.py
+    # and layers/embedding.py split them.
+    kinds = {
+        "self_attn.qkv_proj": [(qkv_rows(heads, hf.num_kv_heads(text), head_dim, tp), Slice.whole(text.hidden_size))
+                               for tp in groups],
+        "self_attn.o_proj": [([Slice.whole(text.hidden_size)], tp.split(heads * head_dim)) for tp in groups],
+        "mlp.gate_up_proj": [([tp.split(inter)] * 2, Slice.whole(text.hidden_size)) for tp in groups],
+        "mlp.down_proj": [([Slice.whole(text.hidden_size)], tp.split(inter)) for tp in groups],
+    }  # fmt: skip
+    layers = [(f"model.layers.{i}.{kind}", splits) for i in range(text.num_hidden_layers) for kind, splits in kinds.items()]
+    layers.append(("lm_head", [([tp.split_padded(vocab)], Slice.whole(text.hidden_size)) for tp in groups]))
+    for prefix, splits in layers:
+        for rows, cols in splits:
+            problem = quant_config.tp_split_problem(prefix, rows, cols)
+            if problem is not None:
+                raise ConfigError(f"--tensor-parallel-size {n}: {problem}")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -251,6 +277,8 @@ class TPDriver(TPRank):
         self.processes = processes
         self.failure: str | None = None
         self._sampled: list[tuple[str, int]] = []
+        # Rank 0's host cache of LoRA adapters, when LoRA is on (worker/setup.py).
+        self.announced_adapters: Callable[[], list[LoRARequest]] = list
         self._in_step = False
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
@@ -320,7 +348,7 @@ class TPDriver(TPRank):
         self._in_step = True
         try:
             self.check_alive()
-            message, self._sampled = StepMessage(self._sampled, scheduler_output), []
+            message, self._sampled = StepMessage(self._sampled, scheduler_output, self.announced_adapters()), []
             self.send(message)
             return execute(scheduler_output)
         except TensorParallelError:
@@ -414,7 +442,7 @@ def run_follower(config: EngineConfig, rank: int, port: int, parent_pid: int) ->
             message = member.receive()
             if message.scheduler_output is None:
                 break
-            runner.follow(message.scheduler_output, message.sampled)
+            runner.follow(message.scheduler_output, message.sampled, message.adapters)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
             raise

@@ -104,7 +104,9 @@ def test_triton_quantize_is_bit_exact(kernel, k: int, dtype: torch.dtype) -> Non
     x = (torch.randn(4, k + 8, generator=gen) * 3).to(dtype)[:, 3 : 3 + k].to(device)  # row stride != K
     x[1] = 0
     x[2, :6] = torch.tensor([-0.0, 1e-30, -1e-6, 3e-3, 2.0**-15, -1.0]).to(dtype)
-    for scale in (None, torch.tensor([0.004], device=device)):  # dynamic, then static with saturation
+    # Dynamic, static with saturation, then given per row (a row-parallel rank's whole-row scales).
+    per_row = torch.tensor([[0.004], [1.0], [0.5], [0.02]], device=device)
+    for scale in (None, torch.tensor([0.004], device=device), per_row):
         q, s = module.triton_quantize(x, scale)
         want_q, want_s = _plain_quantize(x, scale)
         assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)

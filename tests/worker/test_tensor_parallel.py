@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,6 +26,7 @@ from paphos.outputs import RequestOutput
 from paphos.worker.tensor_parallel import TensorParallelError
 from tests.engine.conftest import _write_tokenizer
 from tests.quant.gguf_blocks import write_tiny_llama
+from tests.quant.test_checkpoint_parity import checkpoint
 from tests.server.spawn import spawn_server_process
 from tests.server.test_spawned_lifecycle import alive, core_pid
 
@@ -43,23 +43,6 @@ GGUF_LAYERS = [
     {"attn_q": "Q6_K", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "Q4_K",
      "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K"},
 ]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _keep_threads() -> Iterator[None]:
-    """Rank 0 runs in this process and takes its share of the cores; the next tests get them back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def engines() -> Iterator[list[LLM]]:
-    """LLMs to close after the test (their follower processes)."""
-    made: list[LLM] = []
-    yield made
-    for llm in made:
-        llm.close()
 
 
 def _prompts(vocab: int, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -133,16 +116,12 @@ def _refusal(tmp_path: Path, tiny_model, case: str) -> tuple[str, dict[str, obje
         return str(tiny_model("llama", hidden_size=60, num_attention_heads=6, num_key_value_heads=3)[0]), {}
     if case == "intermediate":
         return str(tiny_model("llama", intermediate_size=129)[0]), {}
-    if case == "gguf_blocks":
-        # 256 inputs of a Q4_K o_proj split in two: 128 per rank, half a block.
-        path = write_tiny_llama(tmp_path / "t.gguf", [{"attn_output": "Q4_K"}], hidden=256, inter=512)
-        _write_tokenizer(tmp_path / "tokenizer")
-        return str(path), {"tokenizer": str(tmp_path / "tokenizer")}
-    if case == "gptq":
-        return str(Path(__file__).parents[1] / "quant/data/checkpoints/gptq-4b-g128-sym"), {}
-    if case == "fp8_at_load":
-        return str(tiny_model("llama")[0]), {"quantization": "fp8"}
-    return str(tiny_model("llama")[0]), {"enable_lora": True}
+    if case in ("gptq-4b-g128-sym", "exl2-4.0bpw-h6"):  # the tools' checkpoints
+        return str(checkpoint(case)), {}
+    # gguf_blocks: 256 inputs of a Q4_K o_proj split in two: 128 per rank, half a block.
+    path = write_tiny_llama(tmp_path / "t.gguf", [{"attn_output": "Q4_K"}], hidden=256, inter=512)
+    _write_tokenizer(tmp_path / "tokenizer")
+    return str(path), {"tokenizer": str(tmp_path / "tokenizer")}
 
 
 @pytest.mark.parametrize(("case", "message"), [
@@ -150,9 +129,9 @@ def _refusal(tmp_path: Path, tiny_model, case: str) -> tuple[str, dict[str, obje
     ("kv_heads", "num_key_value_heads (3) must be a multiple or a divisor of 2"),
     ("intermediate", "must divide the model's intermediate_size (129)"),
     ("gguf_blocks", "GGUF tensor model.layers.0.self_attn.o_proj.weight (Q4_K, 256 inputs)"),
-    ("gptq", "gptq checkpoints are not supported with --tensor-parallel-size 2 yet"),
-    ("fp8_at_load", "fp8 checkpoints are not supported with --tensor-parallel-size 2 yet"),
-    ("lora", "--enable-lora with --tensor-parallel-size 2 is not supported yet"),
+    # o_proj's 128 inputs split in two cut its groups of 128
+    ("gptq-4b-g128-sym", "model.layers.0.self_attn.o_proj: quantization_config group_size 128: a rank's 64 input rows"),
+    ("exl2-4.0bpw-h6", "exl2 checkpoints are not supported with --tensor-parallel-size 2 yet"),
 ])  # fmt: skip
 def test_models_and_formats_that_cannot_be_split_are_refused_at_start_up(
     tmp_path: Path, tiny_model, case: str, message: str

@@ -80,14 +80,28 @@ def reference_quantize(
     per-output-channel quantization of a float weight (`-q fp8`), rows being channels."""
     xf = x.float()
     if input_scale is None:
-        amax = xf.abs().amax(dim=-1, keepdim=True)
-        # Divided by a tensor on x's device: CUDA turns a division by a Python scalar into a
-        # multiplication by its reciprocal, 1 ulp off the quotient in many rows, which
-        # then breaks the many exact rounding ties of bf16 inputs the other way.
-        scale = (amax / amax.new_full((), FP8_MAX)).clamp(min=MIN_SCALE)
-    else:
-        scale = input_scale.float().reshape(1, 1).expand(xf.shape[0], 1).contiguous()
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+        scale = row_scales(xf)
+    else:  # one scale for every row, or (a row-parallel rank's dynamic scales) one per row
+        scale = input_scale.float().reshape(-1, 1).expand(xf.shape[0], 1).contiguous()
+    return quantize_rows(xf, scale), scale
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """The per-row scale [M, 1] fp32 of `reference_quantize`: amax / 448."""
+    return amax_scales(x.float().abs().amax(dim=-1, keepdim=True))
+
+
+def amax_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Dynamic FP8 scales of rows whose max |x| is `amax` [M, 1] fp32."""
+    # Divided by a tensor on amax's device: CUDA turns a division by a Python scalar into a
+    # multiplication by its reciprocal, 1 ulp off the quotient in many rows, which
+    # then breaks the many exact rounding ties of bf16 inputs the other way.
+    return (amax / amax.new_full((), FP8_MAX)).clamp(min=MIN_SCALE)
+
+
+def quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] / scale [M, 1] rounded to FP8 (saturating), as `reference_quantize` does it."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def fake_quantize(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,10 +149,10 @@ if triton is not None:
     def _quantize_rows_kernel(
         x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride_xm,
         BLOCK: tl.constexpr, STATIC: tl.constexpr, SINGLE: tl.constexpr,
-        QMAX: tl.constexpr, SMIN: tl.constexpr, PDL: tl.constexpr,
+        QMAX: tl.constexpr, SMIN: tl.constexpr, PDL: tl.constexpr, STATIC_STRIDE: tl.constexpr = 0,
     ):  # fmt: skip
-        """One row of x per program: its scale (amax / 448, or the static one) to s_ptr[row] and
-        the fp8 codes to q_ptr[row, :]."""
+        """One row of x per program: its scale (amax / 448, or the static one: one for all rows,
+        or with STATIC_STRIDE 1 one per row) to s_ptr[row] and the fp8 codes to q_ptr[row, :]."""
         pdl.release(PDL)
         pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -148,14 +162,14 @@ if triton is not None:
         if SINGLE:
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             if STATIC:
-                s = tl.load(static_scale_ptr).to(tl.float32)
+                s = tl.load(static_scale_ptr + row * STATIC_STRIDE).to(tl.float32)
             else:
                 s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), SMIN)
             q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
             tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
         else:
             if STATIC:
-                s = tl.load(static_scale_ptr).to(tl.float32)
+                s = tl.load(static_scale_ptr + row * STATIC_STRIDE).to(tl.float32)
             else:
                 amax = tl.zeros([BLOCK], dtype=tl.float32)
                 for k0 in range(0, K, BLOCK):
@@ -254,7 +268,7 @@ def triton_quantize(
     _quantize_rows_kernel[(m,)](
         x, q, scale, input_scale if static else scale, k, x.stride(0),
         BLOCK=block, STATIC=static, SINGLE=single, QMAX=FP8_MAX, SMIN=MIN_SCALE,
-        num_warps=min(16, max(1, block // 512)), **pdl.options(x),
+        STATIC_STRIDE=int(static and input_scale.numel() > 1), num_warps=min(16, max(1, block // 512)), **pdl.options(x),
     )  # fmt: skip
     return q, scale
 
@@ -377,7 +391,8 @@ def fp8_linear(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """y = x W^T (+ bias) with W = weight [N, K] float8_e4m3fn (row-major) * weight_scale [N] fp32,
-    x [..., K] quantized per token (input_scale None) or with the static per-tensor input_scale.
+    x [..., K] quantized per token (input_scale None) or with the static per-tensor input_scale
+    (or one given scale per token, [M, 1]).
     Up to SMALL_M_MAX tokens the Triton kernel (`small_m_linear`), above `torch._scaled_mm`
     (`use_fast_accum` applies there and sends every M there). CUDA, compute capability >= 8.9
     (`scaled_mm_unsupported` returns None); no host sync, so it can be captured in a CUDA graph
