@@ -1,19 +1,33 @@
-"""GPTQ / AWQ / compressed-tensors / FP8 on the GPU: the engine on random Llama-3-8B-shaped
+"""GPTQ / AWQ / compressed-tensors / FP8 / EXL2 on the GPU: the engine on random Llama-3-8B-shaped
 checkpoints of each format against bf16 dummy weights of the same shape, in one process.
 
     PYTHONPATH=<carried wheels> python benchmarks/bench_quant_gpu.py --out results/quant_gpu.json \\
-        [--sections ceilings,bf16,gptq,gptq_actorder,awq,ct_w4a16,fp8,fp8_offline,bf16_offline]
+        [--sections ceilings,bf16,gptq,gptq_actorder,awq,ct_w4a16,fp8,fp8_offline,bf16_offline] \\
+        [--fixtures 'exl2*']
 
 Sections (each one's failure is recorded and the rest go on; the JSON is rewritten after each):
-  fixtures       the real-tool fixtures of tests/quant/data/checkpoints on the GPU in bf16 (the
-                 Triton int kernels, the FP8 GEMM) against the tools' fp32 references: max |dlogit|
-                 with one token per step (batch-1 GEMV), 8 prompts one token each (M = 8) and 8
-                 prompts of 16 tokens in one step (M = 128), and the kernel summary lines
+  fixtures       the real-tool fixtures of tests/quant/data/checkpoints (`--fixtures`: a glob of
+                 their names) on the GPU in bf16 (EXL2: fp16 and bf16) with the formats' kernels
+                 (the Triton int kernels, the FP8 GEMM, the EXL2 kernels) against the tools' fp32
+                 references: max |dlogit| with one token per step (batch-1 GEMV), 8 prompts one
+                 token each (M = 8) and 8 prompts of 16 tokens in one step (M = 128), and the
+                 kernel summary lines
+  exl2_kernels   the EXL2 kernels (paphos/quant/kernels/triton_exl2.py) on Llama-3-8B shapes with
+                 random code streams (q|k|v, o, gate|up, down at 4.0 bpw; o and down at 2.5 and
+                 6.0 bpw; the 6-bit head): the dequantize kernel bit-exact against exl2.dequantize
+                 in bf16 and fp16, the GEMV (1-8 tokens) and dequantize + cuBLAS (16 tokens)
+                 against float32 products of the same weights; CUDA-graph times of the batch-1
+                 GEMV (GB/s of the layer's bytes, and bf16 cuBLAS on the same shape), on o and
+                 gate|up a sweep of its tile / warps / K slices, and the GEMV against dequantize
+                 + cuBLAS at 1-16 tokens on gate|up (the crossover, GEMV_MAX_TOKENS)
   ceilings       copy bandwidth (read + write bytes / s), the denominator of "fraction of copy BW"
   bf16           dummy bf16 weights (the baseline of every ratio)
   gptq, gptq_actorder, awq, ct_w4a16
                  a checkpoint written by scripts/make_random_quant.py (4-bit, group 128; GPTQ v1
                  symmetric, GPTQ asymmetric with act-order, AutoAWQ GEMM, pack-quantized W4A16)
+  exl2, exl2_mix EXL2 checkpoints written by scripts/make_random_quant.py: 4.0 bpw (5/4/3-bit
+                 groups of 32/64/128 rows), and 2.5 bpw (3/2-bit) layers alternating with 6.0 bpw
+                 (8/6/4-bit) ones; 6-bit heads
   fp8            dummy bf16 weights quantized at load (`quantization="fp8"`: per-channel weight
                  scales, dynamic per-token activations; the same kernels as an FP8 checkpoint)
   fp8_offline, bf16_offline   1000 prompts x 1000 tokens in, 1000 out (`LLM.generate`)
@@ -61,10 +75,11 @@ from make_random_quant import write as write_random_quant  # noqa: E402
 from paphos import LLM  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("fixtures", "ceilings", "bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "fp8", "fp8_offline", "bf16_offline",
-            "fp8_offline_kv8", "bf16_offline_kv8")
+SECTIONS = ("fixtures", "exl2_kernels", "ceilings", "bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "exl2", "exl2_mix",
+            "fp8", "fp8_offline", "bf16_offline", "fp8_offline_kv8", "bf16_offline_kv8")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
-FORMATS = {"gptq": "gptq", "gptq_actorder": "gptq-actorder", "awq": "awq", "ct_w4a16": "ct-w4a16"}
+FORMATS = {"gptq": "gptq", "gptq_actorder": "gptq-actorder", "awq": "awq", "ct_w4a16": "ct-w4a16", "exl2": "exl2",
+           "exl2_mix": "exl2-mix"}
 
 
 class Bench:
@@ -108,7 +123,7 @@ def _gpu_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-_ITEMSIZE = {"F32": 4, "I32": 4, "I64": 8, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
+_ITEMSIZE = {"F32": 4, "I32": 4, "I64": 8, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
 
 
 def _file_bytes(path: Path | None) -> int | None:
@@ -204,31 +219,154 @@ def section_fixtures(bench: Bench) -> dict[str, Any]:
 
     data = ROOT / "tests" / "quant" / "data"
     out: dict[str, Any] = {}
-    for path in sorted((data / "checkpoints").iterdir()):
+    for path in sorted((data / "checkpoints").glob(bench.args.fixtures)):
         ref = load_file(str(data / "references" / f"{path.name}.safetensors"))
         source = load_model_source(str(path))
-        config = select_quant_config(source, None)
-        with torch.device("cuda"):
-            model = resolve_model_class(source.hf_config)(source.hf_config, torch.bfloat16, TorchReferenceBackend(), config)
-        source.load_into(model, show_progress=False)
-        ids = ref["input_ids"].cuda()
-        blocks = len(ids) * 4 + 1
-        paged.NUM_BLOCKS = blocks
-        want = ref["dequant_logits"].cuda()
-        errors = {}
-        for label, seqs, steps in (
-            ("M=1", [ids[0]], [[1]] * 16), ("M=8", list(ids), [[1] * 8] * 16), ("M=128", list(ids), [[16] * 8]),
-        ):
-            caches = [torch.zeros(model.kv_cache_shape_per_layer(blocks, paged.BLOCK), dtype=torch.bfloat16, device="cuda")
-                      for _ in range(model.num_layers)]  # fmt: skip
-            got = torch.stack(paged.run_schedule(model, caches, seqs, steps))
-            errors[label] = (got - want[: len(seqs)]).abs().max().item()
-        tool = (ref["dequant_logits"] - ref["tool_logits"]).abs().max().item()
-        out[path.name] = {"max_abs_dlogit": errors, "tool_bf16_or_fp16_vs_reference": tool, "kernels": config.summary()}
-        print(f"{path.name:30} {errors}  (the tool's own kernels: {tool:.3f})  {config.summary()}", flush=True)
-        del model
+        # EXL2 in both 16-bit types: its GEMV multiplies fp16 weights by x in float32 either way,
+        # its dense path converts them to the model dtype
+        for dtype in (torch.float16, torch.bfloat16) if path.name.startswith("exl2") else (torch.bfloat16,):
+            config = select_quant_config(source, None)
+            with torch.device("cuda"):
+                model = resolve_model_class(source.hf_config)(source.hf_config, dtype, TorchReferenceBackend(), config)
+            source.load_into(model, show_progress=False)
+            ids = ref["input_ids"].cuda()
+            blocks = len(ids) * 4 + 1
+            paged.NUM_BLOCKS = blocks
+            want = ref["dequant_logits"].cuda()
+            errors = {}
+            for label, seqs, steps in (
+                ("M=1", [ids[0]], [[1]] * 16), ("M=8", list(ids), [[1] * 8] * 16), ("M=128", list(ids), [[16] * 8]),
+            ):
+                caches = [torch.zeros(model.kv_cache_shape_per_layer(blocks, paged.BLOCK), dtype=dtype, device="cuda")
+                          for _ in range(model.num_layers)]  # fmt: skip
+                got = torch.stack(paged.run_schedule(model, caches, seqs, steps))
+                errors[label] = (got - want[: len(seqs)]).abs().max().item()
+            tool = (ref["dequant_logits"] - ref["tool_logits"]).abs().max().item()
+            name = path.name if dtype == torch.bfloat16 and not path.name.startswith("exl2") else f"{path.name}-{str(dtype)[6:]}"
+            out[name] = {"max_abs_dlogit": errors, "tool_bf16_or_fp16_vs_reference": tool, "kernels": config.summary()}
+            print(f"{name:30} {errors}  (the tool's own kernels: {tool:.3f})  {config.summary()}", flush=True)
+            del model
     worst = max(max(r["max_abs_dlogit"].values()) - max(r["tool_bf16_or_fp16_vs_reference"], 0.1) for r in out.values())
     out["pass"] = worst <= 0.15
+    return out
+
+
+def _exl2_layer(shapes: list[tuple[int, int]], mix: Any, gen: torch.Generator, block_n: int | None = None) -> tuple[Any, torch.Tensor]:
+    """Planes of one random EXL2 layer (its shards' [n, k]) on the GPU, and its float32 weight
+    [N, K] by exl2.dequantize."""
+    from make_random_quant import exl2_tensors
+
+    from paphos.quant.exl2 import CHECKPOINT_TENSORS, _group_tuples, check_tensors, dequantize
+    from paphos.quant.kernels import triton_exl2 as te
+
+    shards, weights = [], []
+    for n, k in shapes:
+        t = {name.rsplit(".", 1)[1]: v.cuda() for name, v in exl2_tensors("w", n, k, mix, gen).items()}
+        groups = _group_tuples(check_tensors(*(t[name] for name in CHECKPOINT_TENSORS)))
+        shards.append(te.Shard(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_invperm"], groups, n))
+        weights.append(dequantize(*(t[name] for name in CHECKPOINT_TENSORS))[:n])
+    return te.pack(shards, block_n), torch.cat(weights)
+
+
+def _copies(planes: Any, count: int) -> list[Any]:
+    """Copies of a layer's planes, cycled through so a timed loop reads memory, not L2."""
+    import dataclasses
+
+    return [planes] + [dataclasses.replace(planes, **{n: t.clone() for n, t in planes.tensors().items()}, splits={})
+                       for _ in range(count - 1)]  # fmt: skip
+
+
+def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) -> dict[str, Any]:
+    """CUDA-graph times of one EXL2 layer: the batch-1 GEMV by the launch rule, bf16 cuBLAS on
+    the same shape; o and gate|up: a sweep of the GEMV's launch, and (gate|up) the GEMV against
+    dequantize + cuBLAS at 1-16 tokens."""
+    import dataclasses
+
+    import torch.nn.functional as F
+    from timing import graph_time
+
+    from paphos.quant.kernels import triton_exl2 as te
+
+    n, k = weight.shape
+    count = max(1, min(8, math.ceil(200e6 / planes.nbytes())))
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def gemv_time(p: Any, split: int | None = None, warps: int | None = None) -> float:
+        return graph_time([lambda c=c: te.gemv(x, c, split, warps) for c in _copies(p, count)])
+
+    t = gemv_time(planes)
+    w16 = [weight.to(torch.bfloat16) for _ in range(max(1, min(4, math.ceil(200e6 / (n * k * 2)))))]
+    t16 = graph_time([lambda w=w: F.linear(x, w) for w in w16])
+    del w16
+    r: dict[str, Any] = {"gemv_m1": {"us": t * 1e6, "GBps": planes.nbytes() / t / 1e9, "bf16_us": t16 * 1e6,
+                                     "x_bf16": t16 / t, "split": te.gemv_split(planes), "block_n": planes.block_n}}  # fmt: skip
+    if bench.results.get("copy_bw"):
+        r["gemv_m1"]["frac_copy_bw"] = planes.nbytes() / t / bench.results["copy_bw"]
+    if name not in ("o", "gate_up"):
+        return r
+    # a narrow and a wide layer: tile width (4 columns per thread, or 8) and K slices around the rule's
+    sweep = {}
+    for block_n, warps in ((256, 2), (256, 1), (512, 2)):
+        tiles = [[i, c0] for i, cols in enumerate(planes.meta[:, 7].tolist()) for c0 in range(0, cols, block_n)]
+        p = dataclasses.replace(planes, block_n=block_n, splits={}, tiles=torch.tensor(tiles, dtype=torch.int32, device="cuda"))
+        base = te.gemv_split(p)
+        for split in sorted({max(1, base // 2), base, base * 2}):
+            sweep[f"bn{block_n}-w{warps}-s{split}"] = round(gemv_time(p, split, warps) * 1e6, 2)
+    r["gemv_m1_sweep_us"] = sweep
+    best = min(sweep, key=sweep.get)
+    print(f"  {name}: GEMV {t * 1e6:.2f} us by the rule, best {best} {sweep[best]} us; bf16 {t16 * 1e6:.2f} us", flush=True)
+    if name == "gate_up":
+        cross = {}
+        for m in (1, 2, 4, 8, 16):
+            xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cross[m] = {"gemv_us": graph_time([lambda xm=xm: te.gemv(xm, planes)], 16) * 1e6,
+                        "dequant_cublas_us": graph_time([lambda xm=xm: te.dequant_matmul(xm, planes)], 16) * 1e6}  # fmt: skip
+        r["gemv_vs_dequant_us"] = cross
+    return r
+
+
+def section_exl2_kernels(bench: Bench) -> dict[str, Any]:
+    from make_random_quant import EXL2_HEAD, EXL2_MIXES
+
+    from paphos.quant.kernels import triton_exl2 as te
+
+    c = bench.config
+    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    layers = {"qkv": [(q, h), (kv, h), (kv, h)], "o": [(h, q)], "gate_up": [(f, h), (f, h)], "down": [(h, f)]}
+    cases = [(name, "4.0", shapes) for name, shapes in layers.items()]
+    cases += [(name, bpw, layers[name]) for bpw in ("2.5", "6.0") for name in ("o", "down")]
+    cases.append(("head", "6-bit", [(v + -v % 32, h)]))
+    gen = torch.Generator().manual_seed(1)
+    out: dict[str, Any] = {"cases": {}}
+    ok = True
+    for name, bpw, shapes in cases:
+        mix = EXL2_HEAD if name == "head" else EXL2_MIXES[float(bpw)]
+        planes, weight = _exl2_layer(shapes, mix, gen)
+        n, k = weight.shape
+        r: dict[str, Any] = {"shape": [n, k], "bits_per_weight_on_gpu": te.bits_per_weight(planes)}
+        for dtype in (torch.bfloat16, torch.float16):
+            wt = torch.empty(k, n, dtype=dtype, device="cuda")
+            te.dequantize_into(planes, 0, n, wt)
+            r[f"dequant_exact_{str(dtype)[6:]}"] = exact = torch.equal(wt, weight.t().to(dtype))
+            ok &= exact
+            del wt
+        for m, dtype in ((1, torch.bfloat16), (1, torch.float16), (2, torch.bfloat16), (4, torch.bfloat16),
+                         (8, torch.bfloat16), (16, torch.bfloat16)):  # fmt: skip
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            ref = x.float() @ weight.t()
+            got = te.matmul(x, planes).float()
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            r[f"rel_err_m{m}_{str(dtype)[6:]}"] = err
+            ok &= err < 1e-2
+        if bpw in ("4.0", "6-bit"):
+            r |= _exl2_timings(bench, name, planes, weight)
+        out["cases"][f"{name}-{bpw}"] = r
+        print(f"{name}-{bpw}: {json.dumps(r, default=str)[:600]}", flush=True)
+        del planes, weight
+        torch.cuda.empty_cache()
+    out["pass"] = ok
     return out
 
 
@@ -278,7 +416,7 @@ def print_table(results: dict[str, Any]) -> None:
     base = results.get("bf16", {})
     print(f"\n{'':16} {'b1 tok/s':>9} {'x bf16':>7} {'GB/s':>7} {'of copy':>8} {'b16':>8} {'x bf16':>7} "
           f"{'b64':>8} {'pp512':>8} {'GPU GB':>7} {'/file':>6}")  # fmt: skip
-    for name in ("bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "fp8"):
+    for name in ("bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "exl2", "exl2_mix", "fp8"):
         r = results.get(name)
         if not r or "batch1" not in r:
             if r:
@@ -311,6 +449,7 @@ def main() -> None:
     parser.add_argument("--gmu", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--offline-prompts", type=int, default=1000)
+    parser.add_argument("--fixtures", default="*", help="fixtures section: a glob of the fixture names (e.g. 'exl2*')")
     parser.add_argument("--profile", action="store_true", help="engine sections: profile a batch-1 decode and a pp512 step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

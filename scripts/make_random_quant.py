@@ -1,16 +1,24 @@
 """Write a random checkpoint directory of a Llama-shaped HF config in a quantized layout, for GPU
-benchmarks of the GPTQ / AWQ / compressed-tensors / FP8 paths (as make_random_gguf.py does for GGUF).
+benchmarks of the GPTQ / AWQ / compressed-tensors / FP8 / EXL2 paths (as make_random_gguf.py does
+for GGUF).
 
-    python scripts/make_random_quant.py OUT_DIR --format gptq|gptq-actorder|awq|ct-w4a16|ct-fp8 \\
+    python scripts/make_random_quant.py OUT_DIR --format gptq|gptq-actorder|awq|ct-w4a16|ct-fp8|exl2|exl2-mix \\
         [--config benchmarks/configs/llama-3-8b.json] [--group-size 128] [--seed 0]
 
 The layouts are the ones the real tools write (paphos/quant/gptq.py, awq.py, compressed_tensors.py
 document them): GPTQ v1 4-bit symmetric (`gptq`) or asymmetric with act-order (`gptq-actorder`: one
 random input permutation per layer input, shared by the projections that read it, as GPTQ's
 Hessian order is), AutoAWQ GEMM 4-bit with zero points, compressed-tensors pack-quantized W4A16
-symmetric, compressed-tensors float-quantized FP8 (per-channel scales, dynamic activations).
-Codes are random; scales are set so that weights are ~N(0, 0.02)-sized (finite through every
-layer). Embedding, head and norms are bf16. The directory has config.json with the format's
+symmetric, compressed-tensors float-quantized FP8 (per-channel scales, dynamic activations), and
+ExLlamaV2's EXL2 (paphos/quant/exl2.py documents it) with bit widths mixed inside each tensor as
+its converter mixes them, groups in descending bits: `exl2` 4.0 bits per weight (a quarter of the
+rows in 5-bit groups of 32, half in 4-bit groups of 64, a quarter in 3-bit groups of 128),
+`exl2-mix` 2.5 bpw in even layers (3-bit groups of 64, 2-bit groups of 128, half each) and 6.0 in
+odd ones (8-bit groups of 32, 6-bit groups of 64, 4-bit groups of 128: 1/4, 1/2, 1/4); both with a
+6-bit head and a random input permutation per tensor (the code streams are random words, so
+no encoder is needed: any bit pattern is a valid code stream). Codes are random; scales are set so that weights are ~N(0, 0.02)-sized (finite through every
+layer). Embedding, head and norms are bf16 (EXL2: fp16 as the converter writes them, and the
+head is quantized). The directory has config.json with the format's
 quantization_config and one model.safetensors; no tokenizer (pass one with --tokenizer).
 Tensors are generated with torch on the CPU, one at a time: a few seconds per GB.
 """
@@ -25,7 +33,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-FORMATS = ("gptq", "gptq-actorder", "awq", "ct-w4a16", "ct-fp8")
+FORMATS = ("gptq", "gptq-actorder", "awq", "ct-w4a16", "ct-fp8", "exl2", "exl2-mix")
+# EXL2 bit allocations: (bits, rows per group, share of the input rows), descending bits.
+EXL2_MIXES = {
+    4.0: ((5, 32, 0.25), (4, 64, 0.5), (3, 128, 0.25)),
+    2.5: ((3, 64, 0.5), (2, 128, 0.5)),
+    6.0: ((8, 32, 0.25), (6, 64, 0.5), (4, 128, 0.25)),
+}
+EXL2_HEAD = ((6, 128, 1.0),)
 TARGET_STD = 0.02
 CODE_STD = 4.6  # std of a uniform 4-bit code around its middle
 
@@ -80,7 +95,48 @@ def linear_tensors(fmt: str, name: str, n: int, k: int, group: int, perm: torch.
     raise ValueError(f"unknown format {fmt!r}")
 
 
+def exl2_groups(k: int, mix: tuple[tuple[int, int, float], ...]) -> list[tuple[int, int]]:
+    """(bits, rows) per group of a K-input tensor: each width's share of the rows in whole runs
+    of 32, in its group size (the last group of the tensor takes what is left)."""
+    groups, row = [], 0
+    for i, (bits, size, share) in enumerate(mix):
+        end = k if i == len(mix) - 1 else row + round(k * share / 32) * 32
+        while row < end:
+            groups.append((bits, min(size, end - row)))
+            row += groups[-1][1]
+    return groups
+
+
+def exl2_tensors(name: str, n: int, k: int, mix: tuple[tuple[int, int, float], ...],
+                 gen: torch.Generator) -> dict[str, torch.Tensor]:  # fmt: skip
+    """One EXL2 linear [n, k] (n a multiple of 32, as the converter pads it): random code streams,
+    scale codes 12..15 and maxima such that weights are ~TARGET_STD-sized at every width."""
+    groups = exl2_groups(k, mix)
+    words = [-(-rows * bits // 32) for bits, rows in groups]
+    starts = torch.tensor([0, *words]).cumsum(0)[:-1]
+    qs = torch.randint(12, 16, (len(groups), n), generator=gen, dtype=torch.int64)
+    nibbles = (qs.view(len(groups), -1, 8) << (4 * torch.arange(8))).sum(-1)
+    # scale = (qs + 1)**2 / 256 * max, about 0.8 max; a uniform b-bit code has std 2**b / sqrt(12)
+    smax = torch.tensor([TARGET_STD * 12**0.5 / 2**bits / 0.8 for bits, _ in groups]) * (0.9 + 0.2 * torch.rand(len(groups), generator=gen))
+    return {
+        f"{name}.q_weight": _words(gen, sum(words), n),
+        f"{name}.q_scale": torch.where(nibbles >= 2**31, nibbles - 2**32, nibbles).to(torch.int32),
+        f"{name}.q_scale_max": smax.to(torch.float16),
+        f"{name}.q_groups": torch.stack([torch.tensor([b for b, _ in groups]), starts], 1).flatten().to(torch.int16),
+        f"{name}.q_invperm": torch.randperm(k, generator=gen).to(torch.int32),
+    }
+
+
+def exl2_mix(fmt: str, layer: int) -> tuple[tuple[int, int, float], ...]:
+    if fmt == "exl2":
+        return EXL2_MIXES[4.0]
+    return EXL2_MIXES[2.5 if layer % 2 == 0 else 6.0]
+
+
 def quantization_config(fmt: str, group: int) -> dict:
+    if fmt in ("exl2", "exl2-mix"):
+        return {"quant_method": "exl2", "version": "0.3.2", "bits": 4.0 if fmt == "exl2" else 4.25, "head_bits": 6,
+                "calibration": {"rows": 0, "length": 0, "dataset": "random (scripts/make_random_quant.py)"}}  # fmt: skip
     if fmt in ("gptq", "gptq-actorder"):
         act = fmt == "gptq-actorder"
         return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act, "sym": not act,
@@ -104,11 +160,16 @@ def write(out: Path, config: dict, fmt: str, group: int, seed: int) -> None:
     h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    exl2 = fmt in ("exl2", "exl2-mix")
+    dense = torch.float16 if exl2 else torch.bfloat16
     tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": (torch.randn(v, h, generator=gen) * TARGET_STD).to(torch.bfloat16),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-        "lm_head.weight": (torch.randn(v, h, generator=gen) * TARGET_STD).to(torch.bfloat16),
+        "model.embed_tokens.weight": (torch.randn(v, h, generator=gen) * TARGET_STD).to(dense),
+        "model.norm.weight": torch.ones(h, dtype=dense),
     }
+    if exl2:
+        tensors |= exl2_tensors("lm_head", v + -v % 32, h, EXL2_HEAD, gen)
+    else:
+        tensors["lm_head.weight"] = (torch.randn(v, h, generator=gen) * TARGET_STD).to(torch.bfloat16)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
         act = fmt == "gptq-actorder"
@@ -118,9 +179,12 @@ def write(out: Path, config: dict, fmt: str, group: int, seed: int) -> None:
             ("self_attn.v_proj", kv, h, attn_perm), ("self_attn.o_proj", h, q, torch.randperm(q, generator=gen) if act else None),
             ("mlp.gate_proj", f, h, mlp_perm), ("mlp.up_proj", f, h, mlp_perm), ("mlp.down_proj", h, f, down_perm),
         ):  # fmt: skip
-            tensors |= linear_tensors(fmt, f"{p}.{name}", n, k, group, perm, gen)
-        tensors[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+            if exl2:
+                tensors |= exl2_tensors(f"{p}.{name}", n, k, exl2_mix(fmt, i), gen)
+            else:
+                tensors |= linear_tensors(fmt, f"{p}.{name}", n, k, group, perm, gen)
+        tensors[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=dense)
+        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=dense)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config | {"quantization_config": quantization_config(fmt, group)}, indent=1))

@@ -2,10 +2,22 @@
 
 Data flow: registry.select -> `EXL2Config.from_quant_config(qc)` -> every decoder linear and the
 `lm_head` get an `EXL2LinearMethod` -> the model's `load_weights` hands each checkpoint tensor to
-the method's loader, which keeps it per shard -> `process_weights_after_loading` decodes each shard
-(`dequantize`) into one dense weight [N, K] in the model dtype and frees the checkpoint tensors ->
-`F.linear`. There is no EXL2 kernel yet, so this is the GPU path too; start-up logs
-"EXL2: N layers dequantized at load (no EXL2 kernel yet)".
+the method's loader, which keeps it per shard -> `process_weights_after_loading` checks each
+shard's tensors against each other (`check_tensors`) and then either
+  - on CUDA with fp16 / bf16 activations: packs every shard into one set of planes for the Triton
+    kernels (paphos/quant/kernels/triton_exl2.py: the checkpoint's bit streams and 4-bit scale
+    codes as written, a per-run table of bit widths and groups, the permutation applied to x, one
+    launch per merged layer; its docstring gives the layout and why), -> `triton_exl2.matmul`
+    every step: a GEMV that decodes each weight once for up to GEMV_MAX_TOKENS tokens, above that
+    dequantization into the shared scratch buffer + cuBLAS; start-up logs "Using EXL2 kernels for
+    N layers". The first layer packed checks the kernels against its decoded weight once per
+    device and dtype (`_self_check`); if they disagree or fail to compile, every layer takes the
+    dense path below, with the reason logged;
+  - elsewhere (the CPU, float32 models, a layout the kernels do not take: 1- or 7-bit groups, a
+    group other than the last that is not whole 32-row runs): decodes each shard (`dequantize`)
+    into one dense weight [N, K] in the model dtype -> `F.linear`; start-up logs the layers and
+    the reason ("EXL2: N layers dequantized at load (...)").
+Either way the checkpoint tensors are freed after loading.
 
 The layout, per quantized linear (in K -> out N; the converter pads N to a multiple of 32):
   q_weight     int32 [R, N]    per output column a little-endian bit stream, group after group;
@@ -35,7 +47,9 @@ one parameter as GPTQ's do; and every shape but q_invperm's depends on the bit a
 converter chose, so nothing can be allocated before the file is read. Each checkpoint tensor name
 therefore gets a zero-size placeholder parameter (so `load_weights` finds a target for it and names
 any that is missing); its loader keeps the loaded tensor in the method, keyed by (name, shard).
-After loading, each shard is decoded on its own, cropped to its output rows and stacked.
+After loading, each shard is decoded on its own, cropped to its output rows and stacked (dense
+path), or becomes one shard of the kernels' planes, which keep its own groups, scales and
+permutation and put its columns after the previous shard's (one launch for the merged layer).
 
 The head: exllamav2 writes a separately quantized `lm_head` (`head_bits`) even for models with
 tied embeddings, and runs that head; `EXL2Config.unties_lm_head` tells the model to load it untied.
@@ -43,6 +57,7 @@ tied embeddings, and runs that head; `EXL2Config.unties_lm_head` tells the model
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +75,8 @@ CHECKPOINT_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invpe
 # The bit widths exllamav2's converter offers for the head (`-hb`); an fp16 head (16) predates
 # `quantization_config` in config.json.
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
-DEQUANTIZED = "dequantized at load (no EXL2 kernel yet)"
+KERNELS = "exl2-kernels"
+logger = logging.getLogger(__name__)
 
 
 class EXL2FormatError(ValueError):
@@ -121,6 +137,27 @@ def _unpack_group(words: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     return (codes & ((1 << bits) - 1)).reshape(-1, n)[:rows]
 
 
+def check_tensors(
+    q_weight: torch.Tensor,
+    q_scale: torch.Tensor,
+    q_scale_max: torch.Tensor,
+    q_groups: torch.Tensor,
+    q_invperm: torch.Tensor,
+) -> list[Group]:
+    """The groups of one EXL2 linear, its tensors checked against each other; EXL2FormatError
+    names the tensor that does not fit."""
+    k, n = q_invperm.numel(), q_weight.shape[1]
+    groups = parse_groups(q_groups, q_weight.shape[0], k)
+    if tuple(q_scale.shape) != (len(groups), -(-n // 8)):
+        raise EXL2FormatError("q_scale", f"shape {list(q_scale.shape)}, expected {[len(groups), -(-n // 8)]}")
+    if tuple(q_scale_max.shape) != (len(groups),):
+        raise EXL2FormatError("q_scale_max", f"shape {list(q_scale_max.shape)}, expected {[len(groups)]}")
+    invperm = q_invperm.long()
+    if not torch.equal(invperm.sort().values, torch.arange(k, device=invperm.device)):
+        raise EXL2FormatError("q_invperm", f"is not a permutation of 0..{k - 1}")
+    return groups
+
+
 def dequantize(
     q_weight: torch.Tensor,
     q_scale: torch.Tensor,
@@ -131,14 +168,7 @@ def dequantize(
     """One EXL2 linear's weight, float32 [N, K] (N as stored, padding included), exactly by the
     module docstring's rule; EXL2FormatError names the tensor that does not fit."""
     k, n = q_invperm.numel(), q_weight.shape[1]
-    groups = parse_groups(q_groups, q_weight.shape[0], k)
-    if tuple(q_scale.shape) != (len(groups), -(-n // 8)):
-        raise EXL2FormatError("q_scale", f"shape {list(q_scale.shape)}, expected {[len(groups), -(-n // 8)]}")
-    if tuple(q_scale_max.shape) != (len(groups),):
-        raise EXL2FormatError("q_scale_max", f"shape {list(q_scale_max.shape)}, expected {[len(groups)]}")
-    invperm = q_invperm.long()
-    if not torch.equal(invperm.sort().values, torch.arange(k, device=invperm.device)):
-        raise EXL2FormatError("q_invperm", f"is not a permutation of 0..{k - 1}")
+    groups = check_tensors(q_weight, q_scale, q_scale_max, q_groups, q_invperm)
     nibbles = torch.arange(0, 32, 4, device=q_scale.device)
     qs = ((q_scale.to(torch.int64)[:, :, None] >> nibbles) & 15).reshape(len(groups), -1)[:, :n]
     # exllamav2's fp16 scale (module docstring); float32 holds it, and its products with codes, exactly
@@ -150,7 +180,7 @@ def dequantize(
         codes = _unpack_group(words[group.words], group.bits, group.rows.stop - group.rows.start)
         # rounded to fp16 as exllamav2's reconstruction is (module docstring)
         stored[:, group.rows] = ((codes - (1 << (group.bits - 1))).float() * factor[g]).half().float().t()
-    return stored[:, invperm]
+    return stored[:, q_invperm.long()]
 
 
 def _check_loaded(tensor: str, name: str, loaded: torch.Tensor, k: int, n: int) -> None:
@@ -171,11 +201,12 @@ def _check_loaded(tensor: str, name: str, loaded: torch.Tensor, k: int, n: int) 
 class EXL2LinearMethod:
     """LinearMethod for one layer (or the head) of an EXL2 checkpoint (module docstring)."""
 
-    def __init__(self, log: IntKernelLog, prefix: str) -> None:
+    def __init__(self, log: EXL2KernelLog, prefix: str) -> None:
         self.log = log
         self.prefix = prefix
         self.modules = checkpoint_modules(prefix)  # the checkpoint module of each shard
         self.tensors: dict[tuple[str, int], torch.Tensor] = {}
+        self.planes: Any = None  # triton_exl2.EXL2Planes once packed for the kernels
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
         self.input_size = input_size
@@ -195,26 +226,123 @@ class EXL2LinearMethod:
 
         return load
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts = []
-        for shard, (module, rows) in enumerate(zip(self.modules, self.output_sizes, strict=True)):
+    def _shard_tensors(self) -> list[dict[str, torch.Tensor]]:
+        """Each shard's five checkpoint tensors (taken out of the method), checked against each
+        other; the errors name the checkpoint tensor."""
+        shards = []
+        for shard, module in enumerate(self.modules):
             tensors = {}
             for name in CHECKPOINT_TENSORS:
                 if (name, shard) not in self.tensors:
                     raise EXL2FormatError(f"{module}.{name}", "was not loaded (EXL2 layers need the checkpoint's tensors)")
                 tensors[name] = self.tensors.pop((name, shard))
             try:
-                weight = dequantize(**tensors)
+                groups = check_tensors(**tensors)
             except EXL2FormatError as e:
                 raise EXL2FormatError(f"{module}.{e.tensor}", e.detail) from None
-            parts.append(weight[:rows].to(self.params_dtype))
+            shards.append(tensors | {"groups": groups})
+        return shards
+
+    def _kernel_problem(self, shards: list[dict[str, Any]], device: torch.device) -> str | None:
+        """Why this layer is dequantized at load rather than run by the EXL2 kernels, or None."""
+        from paphos.quant.kernels import triton_exl2
+
+        if device.type != "cuda":
+            return f"dequantized at load (no EXL2 kernel on {device.type})"
+        if self.params_dtype not in (torch.float16, torch.bfloat16):
+            return f"dequantized at load ({self.params_dtype} activations)"
+        if not triton_exl2.supports(device, self.params_dtype):
+            return "dequantized at load (the EXL2 kernels need Triton and a GPU of compute capability 8.0 or later)"
+        problem = triton_exl2.unsupported([_group_tuples(s["groups"]) for s in shards], self.input_size)
+        return None if problem is None else f"dequantized at load ({problem})"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = self._shard_tensors()
+        reason = self._kernel_problem(shards, shards[0]["q_weight"].device)
+        if reason is None:
+            from paphos.quant.kernels import triton_exl2
+
+            planes = triton_exl2.pack([
+                triton_exl2.Shard(s["q_weight"], s["q_scale"], s["q_scale_max"], s["q_invperm"], _group_tuples(s["groups"]), rows)
+                for s, rows in zip(shards, self.output_sizes, strict=True)
+            ])  # fmt: skip
+            if _self_check(planes, lambda: self._dense(shards, torch.float32), self.params_dtype):
+                for name, tensor in planes.tensors().items():  # buffers, so the model's memory accounts for them
+                    layer.register_buffer(f"exl2_{name}", tensor, persistent=False)
+                triton_exl2.reserve_scratch(planes, planes.words.device, self.params_dtype)
+                # Held here too: the per-step path does no lookups.
+                self.planes, self.matmul = planes, triton_exl2.matmul
+                self.log.record(KERNELS, self.prefix)
+            else:
+                reason = "dequantized at load (the EXL2 kernels failed their start-up self-check on this GPU)"
+        if reason is not None:
+            layer.register_buffer("dense_weight", self._dense(shards, self.params_dtype), persistent=False)
+            self.log.record(reason, self.prefix)
         for name in CHECKPOINT_TENSORS:
             delattr(layer, name)
-        layer.register_buffer("dense_weight", torch.cat(parts) if len(parts) > 1 else parts[0], persistent=False)
-        self.log.record(DEQUANTIZED, self.prefix)
+
+    def _dense(self, shards: list[dict[str, Any]], dtype: torch.dtype) -> torch.Tensor:
+        """The layer's weight [N, K], every shard decoded and cropped to its output rows."""
+        parts = [dequantize(*(s[name] for name in CHECKPOINT_TENSORS))[:rows].to(dtype)
+                 for s, rows in zip(shards, self.output_sizes, strict=True)]  # fmt: skip
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.dense_weight, bias)
+        if self.planes is None:
+            return F.linear(x, layer.dense_weight, bias)
+        x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        y = self.matmul(x2, self.planes)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y + bias if bias is not None else y
+
+
+_VERIFIED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _self_check(planes: Any, dense: Callable[[], torch.Tensor], dtype: torch.dtype) -> bool:
+    """Once per (device, dtype) and process, on the first layer packed: the kernels (the GEMV at
+    1 and 5 tokens, dequantize + cuBLAS at 16) against x @ the decoded weight. False (logged) if
+    they fail to compile or disagree beyond 16-bit rounding; every EXL2 layer then dequantizes at
+    load, so a kernel that misbehaves on a GPU costs speed, never wrong tokens."""
+    from paphos.quant.kernels import triton_exl2
+
+    key = (str(planes.words.device), dtype)
+    if key not in _VERIFIED:
+        ok = True
+        try:
+            w = dense()
+            gen = torch.Generator(device=w.device).manual_seed(0)
+            for m in (1, 5, 16):
+                x = torch.randn(m, w.shape[1], device=w.device, generator=gen).to(dtype)
+                ref = x.float() @ w.t()
+                err = (triton_exl2.matmul(x, planes).float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+                if not err <= 1e-2:
+                    logger.warning("EXL2 kernels: relative error %.3g at %d tokens against the decoded weight", err, m)
+                    ok = False
+        except Exception as e:  # noqa: BLE001 - any compile or launch failure -> the dense path
+            logger.warning("EXL2 kernels failed their self-check (%s); dequantizing at load", e)
+            ok = False
+        _VERIFIED[key] = ok
+    return _VERIFIED[key]
+
+
+def _group_tuples(groups: list[Group]) -> list[tuple[int, int, int]]:
+    return [(g.bits, g.words.start, g.rows.start) for g in groups]
+
+
+class EXL2KernelLog(IntKernelLog):
+    """Which path each EXL2 layer took: "Using EXL2 kernels for N layers", and every other
+    outcome with its reason and an example layer."""
+
+    def summary(self) -> list[str]:
+        lines = []
+        for outcome, count in self.outcomes.items():
+            if outcome == KERNELS:
+                lines.append(f"Using EXL2 kernels for {count} layers")
+            else:
+                lines.append(f"{self.format_name}: {count} layers {outcome} (e.g. {self.examples[outcome]})")
+        return lines
 
 
 class EXL2Config:
@@ -228,7 +356,7 @@ class EXL2Config:
     def __init__(self, bits: float, head_bits: int) -> None:
         self.bits = bits  # the converter's target average, informational
         self.head_bits = head_bits
-        self.log = IntKernelLog("EXL2")
+        self.log = EXL2KernelLog("EXL2")
 
     @classmethod
     def from_quant_config(cls, qc: dict[str, Any]) -> EXL2Config:

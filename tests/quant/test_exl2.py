@@ -251,7 +251,7 @@ def test_merged_shards_keep_their_own_groups_and_permutations() -> None:
     x = torch.randn(3, 64, generator=gen)
     torch.testing.assert_close(layer(x), x @ layer.dense_weight.t(), rtol=0, atol=1e-5)
     assert config.summary() == [
-        "EXL2: 1 layers dequantized at load (no EXL2 kernel yet) (e.g. model.layers.0.self_attn.qkv_proj)"
+        "EXL2: 1 layers dequantized at load (no EXL2 kernel on cpu) (e.g. model.layers.0.self_attn.qkv_proj)"
     ]
 
 
@@ -331,7 +331,7 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
 def check_against_hf(path: Path, hf: torch.nn.Module) -> None:
     model, quant_config = build(path)
     assert quant_config.summary() == [
-        "EXL2: 9 layers dequantized at load (no EXL2 kernel yet) (e.g. model.layers.0.self_attn.qkv_proj)"
+        "EXL2: 9 layers dequantized at load (no EXL2 kernel on cpu) (e.g. model.layers.0.self_attn.qkv_proj)"
     ]
     ids = torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(3))
     caches = [torch.zeros(model.kv_cache_shape_per_layer(NUM_BLOCKS, BLOCK)) for _ in range(model.num_layers)]

@@ -1,0 +1,239 @@
+"""EXL2's Triton kernels (paphos/quant/kernels/triton_exl2.py) against exl2.dequantize, the oracle
+that equals exllamav2's own reconstruction bit for bit.
+
+- `pack` keeps the checkpoint's bytes and `reference_weight` (the torch reading of the planes)
+  equals `dequantize` exactly: every bit width 2..8 the kernels take, mixed 32/64/128-row groups,
+  K not a multiple of 32 (a short last run), padded output columns, merged shards with their own
+  groups and permutations.
+- The kernels under the interpreter (TRITON_INTERPRET=1, tiny shapes): the dequantize kernel
+  bit-exact (float32 out; a column window as the scratch buffer's chunks use); the GEMV within
+  1e-5 of max|ref| (float32 products of the same fp16 weights, only the summation order differs)
+  at 1 and 3 tokens, one and several K slices; `matmul` in bf16 (GEMV and dequantize + matmul in
+  small scratch chunks) within 1e-2; the linear method on the kernels' path ("Using EXL2 kernels
+  for 1 layers").
+- The kernels compile for sm_90 with the installed triton and the H200 image's (tests/device_triton.py):
+  no spills, the GEMV waits for its predecessor (PDL) and sums split-K partials with a fence.
+  What the GPU computes on Llama-3-8B shapes and the tool-made fixtures is checked by
+  benchmarks/bench_quant_gpu.py (`exl2_kernels`, `fixtures`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import paphos.quant.kernels.triton_exl2  # noqa: F401 - imported compiled first, so `interpreted` reloads it
+from paphos.layers.linear import Linear, QKVLinear
+from paphos.quant.exl2 import EXL2Config, EXL2LinearMethod, dequantize, parse_groups
+from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
+from tests.quant.test_exl2 import QC, Encoded, quantize, random_encoded
+from tests.triton_interpreted import interpreted
+
+_MODULES = ("paphos.layers.pdl", "paphos.quant.kernels.split_k", "paphos.quant.kernels.triton_exl2")
+
+
+@pytest.fixture(scope="module")
+def te() -> Iterator[object]:
+    with interpreted(_MODULES, "_gemv_kernel") as module:
+        yield module
+
+
+def _shard(te, enc: Encoded, columns: int) -> object:  # noqa: ANN001
+    t = enc.tensors
+    groups = parse_groups(t["q_groups"], t["q_weight"].shape[0], t["q_invperm"].numel())
+    return te.Shard(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_invperm"],
+                    [(g.bits, g.words.start, g.rows.start) for g in groups], columns)  # fmt: skip
+
+
+def _layer(k: int, seed: int) -> tuple[list[tuple[Encoded, int]], torch.Tensor]:
+    """A merged layer of three shards over K inputs: 8/6/5/4/3/2-bit groups, 3-bit only, and a
+    40-column shard padded to 64 columns (as the converter writes it) in 5/4/2 bits."""
+    gen = torch.Generator().manual_seed(seed)
+    shards = [
+        (random_encoded(64, k, gen, (8, 6, 5, 4, 3, 2)), 64),
+        (random_encoded(32, k, gen, (3,)), 32),
+        (quantize(torch.randn(40, k, generator=gen), gen, (5, 4, 2)), 40),
+    ]
+    weight = torch.cat([dequantize(**enc.tensors)[:cols] for enc, cols in shards])
+    return shards, weight
+
+
+@pytest.mark.parametrize("k", [200, 256])
+def test_pack_keeps_the_bytes_and_the_values(te, k: int) -> None:  # noqa: ANN001
+    shards, weight = _layer(k, k)
+    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
+    assert planes.n == 136 and planes.k == k
+    assert torch.equal(te.reference_weight(planes), weight)
+    checkpoint = sum(t.numel() * t.element_size() for enc, _ in shards for t in enc.tensors.values())
+    runs = -(-k // 32)
+    # the run table (8 bytes per 32 inputs) replaces q_groups; everything else keeps its bytes
+    q_groups = sum(enc.tensors["q_groups"].numel() * 2 for enc, _ in shards)
+    assert planes.nbytes() == checkpoint - q_groups + 3 * runs * 8 + 3 * 8 * 4 + planes.tiles.numel() * 4
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_every_bit_width_reads_back(te, bits: int) -> None:  # noqa: ANN001
+    enc = random_encoded(32, 96, torch.Generator().manual_seed(bits), (bits,))
+    planes = te.pack([_shard(te, enc, 32)])
+    assert torch.equal(te.reference_weight(planes), dequantize(**enc.tensors))
+
+
+def test_unsupported_layouts_are_named(te) -> None:  # noqa: ANN001
+    assert te.unsupported([[(4, 0, 0), (3, 16, 128)]], 160) is None
+    assert "7-bit groups" in te.unsupported([[(7, 0, 0)]], 64)
+    assert "a group of 16 rows at row 0" in te.unsupported([[(8, 0, 0), (4, 4, 16)]], 48)
+
+
+@pytest.mark.parametrize("k", [200, 256])
+def test_dequantize_kernel_is_exact(te, k: int) -> None:  # noqa: ANN001
+    """W^T in input order, every shard's own permutation undone; a column window lands at
+    column 0 of its buffer."""
+    shards, weight = _layer(k, 10 + k)
+    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
+    out = torch.full((k, planes.n), float("nan"))
+    te.dequantize_into(planes, 0, planes.n, out)
+    assert torch.equal(out, weight.t())
+    part = torch.full((k, 50), float("nan"))  # columns 70..119: across the second and third shards
+    te.dequantize_into(planes, 70, 120, part)
+    assert torch.equal(part, weight.t()[:, 70:120])
+
+
+@pytest.mark.parametrize("k", [200, 256])
+def test_gemv_matches_reference(te, k: int) -> None:  # noqa: ANN001
+    """1 and 3 tokens, one K slice and several (the last program of a tile sums them)."""
+    from paphos.quant.kernels import split_k
+
+    shards, weight = _layer(k, 20 + k)
+    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
+    gen = torch.Generator().manual_seed(k)
+    counters = split_k.counters(torch.device("cpu"))
+    for m, split in ((1, 1), (1, 3), (3, 2)):
+        x = torch.randn(m, k, generator=gen)
+        ref = x.double() @ weight.double().t()
+        got = te.gemv(x, planes, split=split)
+        assert got.shape == (m, 136) and got.dtype == torch.float32
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, split)
+        assert not counters.any()
+
+
+def test_matmul_in_bf16(te, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The GEMV up to GEMV_MAX_TOKENS, dequantize + matmul above, in scratch chunks of 48 columns."""
+    from paphos.quant.gguf import triton_gguf
+
+    shards, weight = _layer(96, 30)
+    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
+    monkeypatch.setattr(te, "GEMV_MAX_TOKENS", 2)
+    monkeypatch.setattr(triton_gguf, "_SCRATCH", {})
+    monkeypatch.setattr(triton_gguf, "SCRATCH_ELEMS", 48 * 96)
+    gen = torch.Generator().manual_seed(31)
+    for m in (1, 5):
+        x = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+        got = te.matmul(x, planes)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, 136)
+        ref = x.double() @ weight.double().t()
+        assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-2, m
+
+
+def test_linear_method_runs_the_kernels(te, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A q|k|v layer whose shards differ in widths, groups and permutations: one set of planes,
+    the checkpoint tensors freed, the output of the dense weights, the log line users look for."""
+    monkeypatch.setattr(EXL2LinearMethod, "_kernel_problem", lambda self, shards, device: None)
+    gen = torch.Generator().manual_seed(40)
+    config = EXL2Config.from_quant_config(QC)
+    layer = QKVLinear(64, 16, 4, 2, params_dtype=torch.float32,
+                      quant_method=config.get_linear_method("model.layers.0.self_attn.qkv_proj"))  # fmt: skip
+    shards = {"q": random_encoded(64, 64, gen, (8, 5)), "k": random_encoded(32, 64, gen, (3,)),
+              "v": random_encoded(32, 64, gen, (6, 4, 2))}  # fmt: skip
+    for shard, enc in shards.items():
+        for name, tensor in enc.tensors.items():
+            getattr(layer, name).weight_loader(getattr(layer, name), tensor, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "q_weight") and not hasattr(layer, "dense_weight")
+    assert layer.exl2_words.numel() == sum(enc.tensors["q_weight"].numel() for enc in shards.values())
+    weight = torch.cat([shards[s].weight for s in "qkv"])
+    x = torch.randn(2, 3, 64, generator=gen)
+    got = layer(x)
+    assert got.shape == (2, 3, 128)
+    torch.testing.assert_close(got, x @ weight.t(), rtol=0, atol=1e-5)
+    assert config.summary() == ["Using EXL2 kernels for 1 layers"]
+
+
+def test_kernels_failing_their_self_check_leave_the_layer_dense(te, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Kernels that disagree with the decoded weight at start-up (a GPU they misbehave on) cost
+    speed, not tokens: the layer keeps its dense weight and the log says why."""
+    from paphos.quant import exl2
+
+    monkeypatch.setattr(EXL2LinearMethod, "_kernel_problem", lambda self, shards, device: None)
+    monkeypatch.setattr(exl2, "_VERIFIED", {})
+    monkeypatch.setattr(te, "matmul", lambda x, planes: torch.zeros(x.shape[0], planes.n, dtype=x.dtype))
+    gen = torch.Generator().manual_seed(41)
+    config = EXL2Config.from_quant_config(QC)
+    layer = Linear(64, 32, params_dtype=torch.float32, quant_method=config.get_linear_method("model.layers.0.mlp.down_proj"))
+    enc = random_encoded(32, 64, gen, (4,))
+    for name, tensor in enc.tensors.items():
+        getattr(layer, name).weight_loader(getattr(layer, name), tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert torch.equal(layer.dense_weight, enc.weight) and not hasattr(layer, "exl2_words")
+    x = torch.randn(3, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ enc.weight.t(), rtol=0, atol=1e-5)
+    assert "self-check" in config.summary()[0]
+
+
+# ---------------------------------------------------------------------------- sm_90 compiles
+
+
+@pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
+def test_exl2_kernels_compile_for_sm90(triton_path: Path | None) -> None:
+    check_compiles_in_child("tests.quant.test_exl2_kernels", CASES, triton_path)
+
+
+_TABLES = {"w_ptr": "*i32", "s_ptr": "*i32", "m_ptr": "*fp16", "run_ptr": "*i32"}
+
+
+def _gemv(mp: int, split: bool, even_k: bool) -> None:
+    """A Llama-3-8B o_proj's launch (4096 x 4096; K = 4080 for the short last run)."""
+    from paphos.quant.kernels import triton_exl2 as te
+
+    args = {"xg_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", **_TABLES,
+            "meta_ptr": "*i32", "tile_ptr": "*i32"}  # fmt: skip
+    ints = dict(M=mp, N=4096, n_runs=128, runs_per_split=4)
+    args |= {name: "i32" for name in ints}
+    constexprs = dict(BN=256, MP=mp, SPLIT=split, EVEN_K=even_k, ASM=True, PDL=True)
+    ptx = compile_sm90(te._gemv_kernel, args, constexprs, 2, ints)
+    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
+    assert "cvt.rn.f16.f32" in ptx  # the weights' fp16 rounding
+    if split:
+        assert "fence.acq_rel.gpu" in ptx and "atom.global" in ptx
+
+
+def _dequant(dtype: str) -> None:
+    from paphos.quant.kernels import triton_exl2 as te
+
+    args = {"out_ptr": dtype, **_TABLES, "perm_ptr": "*i32", "meta_ptr": "*i32", "tile_ptr": "*i32"}
+    ints = dict(K=4096, n_runs=128, col_a=0, col_b=4096, stride_o=4096)
+    args |= {name: "i32" for name in ints}
+    assert "STACK:0 " in compile_sm90(te._dequant_kernel, args, dict(BN=256, EVEN_K=True), 4, ints)
+
+
+def _gather() -> None:
+    from paphos.quant.kernels import triton_exl2 as te
+
+    ints = dict(M=1, K=4096, KP=4096, stride_xm=4096, total=3 * 4096)
+    args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "out_ptr": "*fp32", **{name: "i32" for name in ints}}
+    ptx = compile_sm90(te._gather_kernel, args, dict(MP=1, BLOCK=te.GATHER_BLOCK, PDL=True), 4, ints)
+    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
+
+
+CASES = {
+    "gemv-1-token-split": (_gemv, 1, True, True),
+    "gemv-2-tokens-short-last-run": (_gemv, 2, False, False),
+    "dequant-bf16": (_dequant, "*bf16"),
+    "gather": (_gather,),
+}
+
+
+if __name__ == "__main__":
+    run_compiles(CASES)
