@@ -335,14 +335,8 @@ class EXL2KernelLog(IntKernelLog):
     """Which path each EXL2 layer took: "Using EXL2 kernels for N layers", and every other
     outcome with its reason and an example layer."""
 
-    def summary(self) -> list[str]:
-        lines = []
-        for outcome, count in self.outcomes.items():
-            if outcome == KERNELS:
-                lines.append(f"Using EXL2 kernels for {count} layers")
-            else:
-                lines.append(f"{self.format_name}: {count} layers {outcome} (e.g. {self.examples[outcome]})")
-        return lines
+    def fast_path_line(self, outcome: str, count: int) -> str | None:
+        return f"Using EXL2 kernels for {count} layers" if outcome == KERNELS else None
 
 
 class EXL2Config:

@@ -92,14 +92,18 @@ class IntKernelLog:
         self.outcomes[outcome] += 1
         self.examples.setdefault(outcome, layer_name)
 
+    def fast_path_line(self, outcome: str, count: int) -> str | None:
+        """The line users look for when `outcome` is the format's fast kernels, else None."""
+        return f"Using Marlin-class kernels for {count} layers ({self.format_name})" if outcome == MARLIN_CLASS else None
+
     def summary(self) -> list[str]:
-        lines = []
-        for outcome, count in self.outcomes.items():
-            if outcome == MARLIN_CLASS:
-                lines.append(f"Using Marlin-class kernels for {count} layers ({self.format_name})")
-            else:
-                lines.append(f"{self.format_name}: {count} layers {outcome} (e.g. {self.examples[outcome]})")
-        return lines
+        """One line per outcome: the fast path's own line, or the layers' count, the reason and
+        an example layer."""
+        return [
+            self.fast_path_line(outcome, count)
+            or f"{self.format_name}: {count} layers {outcome} (e.g. {self.examples[outcome]})"
+            for outcome, count in self.outcomes.items()
+        ]
 
 
 MARLIN_CLASS = "marlin-class"

@@ -108,3 +108,17 @@ def test_compressed_tensors_int_schemes_follow_targets_and_ignore(model_dir: Pat
     config = registry.select_quant_config(source_with(model_dir, qc), None)
     with pytest.raises(ConfigError, match="q_proj, .*k_proj, .*v_proj different schemes"):
         config.get_linear_method("model.layers.0.self_attn.qkv_proj")
+
+
+def test_the_kernel_log_says_marlin_class_in_the_line_users_look_for() -> None:
+    """One line per outcome: the fast path's own words, the others with a count, reason and example."""
+    from paphos.quant.int_linear import MARLIN_CLASS, IntKernelLog
+
+    log = IntKernelLog("GPTQ")
+    for layer in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"):
+        log.record(MARLIN_CLASS, layer)
+    log.record("dequantized at load (8-bit on the CPU)", "lm_head")
+    assert log.summary() == [
+        "Using Marlin-class kernels for 2 layers (GPTQ)",
+        "GPTQ: 1 layers dequantized at load (8-bit on the CPU) (e.g. lm_head)",
+    ]
