@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -40,9 +39,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_gpu import engine_steps, random_prompts  # noqa: E402
 
 from paphos import LLM  # noqa: E402
-from paphos.sampling_params import SamplingParams  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 
@@ -58,29 +59,6 @@ def write_synthetic_tokenizer(directory: Path, vocab_size: int, eos_id: int) -> 
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"t{eos_id}", "model_max_length": 1 << 20,
     }))
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
-
-
-def engine_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[float, int]]:
-    """(seconds, rows that produced a token) of every engine step until the prompts finish. Each
-    step ends by reading its sampled ids back on rank 0, so step returns are step periods."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"b{time.monotonic_ns()}-{i}", prompt, params)
-    steps = []
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        t1 = time.perf_counter()
-        steps.append((t1 - t0, len(outputs)))
-        t0 = t1
-    return steps
 
 
 def nccl_share(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float | None:

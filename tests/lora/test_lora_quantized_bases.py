@@ -44,17 +44,11 @@ from paphos.sampling_params import SamplingParams
 from tests.engine.conftest import _write_tokenizer
 from tests.engine.test_hf_parity import LogitRecorder, hf_greedy, hf_logits
 from tests.lora.peft_fixtures import Adapter, TinyLlama, as_tiny_llama, make_adapter
+from tests.quant.gguf_blocks import MIXED_TYPE_LAYERS
 from tests.quant.gguf_blocks import write_tiny_llama as write_tiny_gguf
 from tests.quant.test_checkpoint_parity import LINEARS, LOGIT_TOL, build, checkpoint, dense_weight
 
 GPTQ = ("gptq-4b-g32-asym-actorder", "gptq-4b-g128-sym")
-# Every layer mixes the four types; each projection changes type between the layers.
-GGUF_LAYERS = [
-    {"attn_q": "Q4_0", "attn_k": "Q4_K", "attn_v": "Q8_0", "attn_output": "Q6_K",
-     "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q4_0"},
-    {"attn_q": "Q6_K", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "Q4_K",
-     "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K"},
-]  # fmt: skip
 SUBSET = ("k_proj", "o_proj", "up_proj")  # partial bands of the merged q|k|v and gate|up
 RANK = 8
 NUM_PROMPTS, NEW_TOKENS = 8, 16
@@ -153,7 +147,7 @@ def _with_adapters(path: Path, tokenizer: str | None, model: torch.nn.Module, fo
 def base(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> QuantBase:
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "gguf":
-        path = write_tiny_gguf(folder / "tiny.gguf", GGUF_LAYERS, seed=3)
+        path = write_tiny_gguf(folder / "tiny.gguf", MIXED_TYPE_LAYERS, seed=3)
         _write_tokenizer(folder / "tokenizer")  # vocabulary 96 covers the model's 32 ids
         return _with_adapters(path, str(folder / "tokenizer"), _gguf_reference(path), folder)
     return _with_adapters(checkpoint(request.param), None, _gptq_reference(request.param), folder)

@@ -51,6 +51,17 @@ def random_blocks(
 _SCALE = {"Q4_0": 0.01, "Q4_1": 0.005, "Q5_0": 0.005, "Q5_1": 0.003, "Q8_0": 0.0005, "F32": 0.005}
 
 
+# Two layers that each mix Q4_0, Q4_K, Q6_K and Q8_0, every projection changing type between
+# them (Q4_K / Q6_K blocks are 256 values: with hidden 512 and intermediate 1024 the row-parallel
+# inputs of `-tp 2` stay whole blocks).
+MIXED_TYPE_LAYERS = [
+    {"attn_q": "Q4_0", "attn_k": "Q4_K", "attn_v": "Q8_0", "attn_output": "Q6_K",
+     "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q4_0"},
+    {"attn_q": "Q6_K", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "Q4_K",
+     "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K"},
+]  # fmt: skip
+
+
 def weight_scale(name: str) -> float:
     return _SCALE.get(name, 1e-4)
 

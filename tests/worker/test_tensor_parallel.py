@@ -25,7 +25,7 @@ from paphos.config import ConfigError
 from paphos.outputs import RequestOutput
 from paphos.worker.tensor_parallel import TensorParallelError
 from tests.engine.conftest import _write_tokenizer
-from tests.quant.gguf_blocks import write_tiny_llama
+from tests.quant.gguf_blocks import MIXED_TYPE_LAYERS, write_tiny_llama
 from tests.quant.test_checkpoint_parity import checkpoint
 from tests.server.spawn import spawn_server_process
 from tests.server.test_spawned_lifecycle import alive, core_pid
@@ -35,14 +35,6 @@ NEW_TOKENS = 10
 # Chunked prefill (24-token steps mixing chunks with decode rows) and a pool of 40 blocks of 4
 # tokens that cannot hold the 8 sequences at once: the scheduler preempts.
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=24, block_size=4, num_gpu_blocks_override=40)
-# Every layer mixes block types; Q4_K / Q6_K blocks are 256 values, so the row-parallel inputs
-# (512 and 1024 split in two) stay whole blocks.
-GGUF_LAYERS = [
-    {"attn_q": "Q4_0", "attn_k": "Q4_K", "attn_v": "Q8_0", "attn_output": "Q6_K",
-     "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q4_0"},
-    {"attn_q": "Q6_K", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "Q4_K",
-     "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K"},
-]  # fmt: skip
 
 
 def _prompts(vocab: int, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -101,7 +93,7 @@ def test_tp2_matches_tp1_on_a_tiny_safetensors_model(tiny_model, engines: list[L
 def test_tp2_matches_tp1_on_a_tiny_gguf(tmp_path: Path, engines: list[LLM]) -> None:
     """Raw GGUF blocks sharded: q/k/v and gate/up by whole rows (after llama.cpp's Q/K row
     permutation is undone), o/down by whole blocks of every row, the tied Q8_0 embedding by rows."""
-    path = write_tiny_llama(tmp_path / "tiny.gguf", GGUF_LAYERS, hidden=512, inter=1024, seed=5)
+    path = write_tiny_llama(tmp_path / "tiny.gguf", MIXED_TYPE_LAYERS, hidden=512, inter=1024, seed=5)
     _write_tokenizer(tmp_path / "tokenizer")
     settings = dict(ENGINE, tokenizer=str(tmp_path / "tokenizer"))
     engines.append(LLM(str(path), **settings))
