@@ -6,7 +6,8 @@ the parallel-aware layers read `current()` once, at construction, and keep it:
 - column-parallel (`QKVLinear`, `MergedColumnLinear`, paphos/layers/linear.py): this rank's
   output rows of every checkpoint tensor (its query heads, its KV heads, its share of gate/up);
 - row-parallel (`RowParallelLinear`: o_proj, down_proj): this rank's input columns, then one
-  all-reduce of the partial sums;
+  all-reduce of the partial sums (an EXL2 layer, whose stored rows are permuted, first
+  all-gathers x: `all_gather_last_dim`, paphos/quant/exl2.py);
 - vocab-parallel (`VocabEmbedding`, `LMHead`, paphos/layers/embedding.py): this rank's rows of
   the vocabulary; lookups are masked to them and all-reduced, logits are gathered to rank 0 (the
   only rank that samples).
@@ -89,6 +90,17 @@ class TPGroup:
         dist.all_reduce(x, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         return x
 
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank: the ranks' `x` [..., n] side by side, [..., size * n] (rank order)."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        if x.device.type == "cuda":
+            return _side_by_side(self._all_gather_cuda(x))
+        gathered = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(gathered, x, group=self.group)
+        return torch.cat(gathered, dim=-1)
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0: the ranks' `x` [..., n] side by side, [..., size * n] (rank order). Other
         ranks: their own `x` (nothing reads it; only rank 0 samples)."""
@@ -96,16 +108,26 @@ class TPGroup:
 
         x = x.contiguous()
         if x.device.type == "cuda":
-            # One collective that CUDA graphs capture like the all-reduces (NCCL's gather is a
-            # group of point-to-point sends); the logits of a step are small next to the weights.
-            parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(parts, x, group=self.group)
-            if self.rank != 0:
-                return x
-            return parts.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+            # The all-gather, which graphs capture; the logits of a step are small next to the weights.
+            parts = self._all_gather_cuda(x)
+            return _side_by_side(parts) if self.rank == 0 else x
         gathered = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dist.gather(x, gathered, group_dst=0, group=self.group)
         return torch.cat(gathered, dim=-1) if gathered is not None else x
+
+    def _all_gather_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's (contiguous) `x`, in one collective that CUDA graphs
+        capture like the all-reduces (NCCL's gather is a group of point-to-point sends)."""
+        import torch.distributed as dist
+
+        parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(parts, x, group=self.group)
+        return parts
+
+
+def _side_by_side(parts: torch.Tensor) -> torch.Tensor:
+    """[size, ..., n] -> [..., size * n]: the parts along the last dimension, in order."""
+    return parts.movedim(0, -2).reshape(*parts.shape[1:-1], parts.shape[0] * parts.shape[-1])
 
 
 SINGLE = TPGroup()

@@ -53,6 +53,26 @@ permutation and put its columns after the previous shard's (one launch for the m
 
 The head: exllamav2 writes a separately quantized `lm_head` (`head_bits`) even for models with
 tied embeddings, and runs that head; `EXL2Config.unties_lm_head` tells the model to load it untied.
+
+Tensor parallelism (`-tp N`, docs/tensor-parallel.md): each rank keeps its part of the checkpoint
+tensors in their own layout, a valid EXL2 linear of its own, so both paths above run on it as is.
+  - Column-parallel layers (q|k|v, gate|up; the head over its vocabulary rows): the rank's output
+    columns of q_weight (a bit stream per column) and of q_scale's 4-bit codes (packed 8 per word
+    again from the rank's first column, so a rank may start inside a word); q_scale_max, q_groups
+    and q_invperm describe the input side and stay whole (`output_columns`).
+  - Row-parallel layers (o_proj, down_proj) cannot take "input features [k0, k1)": the stored rows
+    are permuted and grouped with mixed bit widths. A rank holds a contiguous range of stored rows
+    instead, cut between runs of 32 (`split_stored_rows`: near-equal q_weight bytes per rank; a
+    group cut in two keeps its bit width, scale row and maximum in both pieces), as a linear over
+    those rows in stored order (`stored_rows`). Its x arrives split by features (the column-parallel
+    layer before): `apply` all-gathers x over the group, picks the columns its stored rows multiply
+    (argsort(q_invperm)[s0:s1]), and the layer's all-reduce sums the partial products. One extra
+    all-gather of the activations per row-parallel layer, against re-packing every group's bit
+    streams for a scattered set of input rows. Every rank needs a run: `EXL2Config.tp_split_problem`
+    refuses a split that cannot be made before any rank starts.
+The loader cuts as tensors arrive: a column-parallel rank's at once, a row-parallel rank's once the
+layer's five are in (its cut depends on q_groups, q_weight and q_invperm, in whatever order the
+files hold them), so whole tensors wait only until their layer is complete.
 """
 
 from __future__ import annotations
@@ -60,12 +80,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.layers.parallel import Slice, TPGroup
 from paphos.layers.weights import ShapeMismatchError
 from paphos.quant.errors import QuantConfigError, field_value
 from paphos.quant.int_linear import IntKernelLog
@@ -75,6 +97,9 @@ CHECKPOINT_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invpe
 # The bit widths exllamav2's converter offers for the head (`-hb`); an fp16 head (16) predates
 # `quantization_config` in config.json.
 HEAD_BITS = (2, 3, 4, 5, 6, 8)
+# The row-parallel layers (layers/linear.py RowParallelLinear), whose stored rows a
+# tensor-parallel split cuts.
+ROW_PARALLEL = (".o_proj", ".down_proj")
 KERNELS = "exl2-kernels"
 logger = logging.getLogger(__name__)
 
@@ -169,8 +194,7 @@ def dequantize(
     module docstring's rule; EXL2FormatError names the tensor that does not fit."""
     k, n = q_invperm.numel(), q_weight.shape[1]
     groups = check_tensors(q_weight, q_scale, q_scale_max, q_groups, q_invperm)
-    nibbles = torch.arange(0, 32, 4, device=q_scale.device)
-    qs = ((q_scale.to(torch.int64)[:, :, None] >> nibbles) & 15).reshape(len(groups), -1)[:, :n]
+    qs = _scale_codes(q_scale)[:, :n]
     # exllamav2's fp16 scale (module docstring); float32 holds it, and its products with codes, exactly
     smax = (q_scale_max.float() / 256).half().float()
     factor = ((qs + 1).square().float() * smax[:, None]).half().float()  # [G, N]
@@ -181,6 +205,80 @@ def dequantize(
         # rounded to fp16 as exllamav2's reconstruction is (module docstring)
         stored[:, group.rows] = ((codes - (1 << (group.bits - 1))).float() * factor[g]).half().float().t()
     return stored[:, q_invperm.long()]
+
+
+def _scale_codes(q_scale: torch.Tensor) -> torch.Tensor:
+    """int32 [G, W] -> the 4-bit scale codes, int64 [G, 8 * W]: code n is nibble n % 8 of word n // 8."""
+    nibbles = torch.arange(0, 32, 4, device=q_scale.device)
+    return ((q_scale.to(torch.int64)[:, :, None] >> nibbles) & 15).flatten(1)
+
+
+def output_columns(name: str, tensor: torch.Tensor, columns: Slice) -> torch.Tensor:
+    """Checkpoint tensor `name` of a column-parallel rank holding output `columns` (q|k|v, gate|up:
+    its heads or its share; the head: its vocabulary rows): its columns of q_weight (a bit stream
+    per column) and of q_scale's codes, packed 8 per word again from the rank's first column (so
+    a rank may start inside a word); the groups, their maxima and the permutation belong to the
+    input side and stay whole."""
+    if columns.is_whole or name not in ("q_weight", "q_scale"):
+        return tensor
+    if name == "q_weight":
+        return tensor[:, columns.start : columns.start + columns.length]
+    codes = _scale_codes(tensor)[:, columns.start : columns.start + columns.length]
+    nibbles = torch.arange(0, 32, 4, device=codes.device)
+    words = (F.pad(codes, (0, -columns.length % 8)).view(len(codes), -1, 8) << nibbles).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # unsigned words as int32
+
+
+def run_bounds(groups: list[Group]) -> list[tuple[int, int]]:
+    """(stored row, q_weight row) of each place a row-parallel rank's stored rows may begin or
+    end: every run of 32 rows of every group (a run's codes fill its `bits` words and no others)
+    and the end. A run is all the kernels need whole (groups are cut between runs: each rank's
+    piece keeps the group's bit width, scale row and maximum)."""
+    starts = [(row, g.words.start + (row - g.rows.start) // 32 * g.bits)
+              for g in groups for row in range(g.rows.start, g.rows.stop, 32)]  # fmt: skip
+    return [*starts, (groups[-1].rows.stop, groups[-1].words.stop)]
+
+
+def split_stored_rows(groups: list[Group], ranks: int) -> list[tuple[int, int]]:
+    """Each rank's stored rows [s0, s1) of a row-parallel layer: contiguous, cut between runs,
+    each as near an equal share of q_weight's words (the bytes a decode step reads; bit widths
+    differ between groups) as the runs allow. EXL2FormatError if there are fewer runs than ranks."""
+    bounds = run_bounds(groups)
+    runs, words = len(bounds) - 1, bounds[-1][1]
+    if runs < ranks:
+        raise EXL2FormatError(
+            "q_groups", f"its {bounds[-1][0]} stored rows are {runs} run(s) of 32, fewer than the {ranks} "
+            "tensor-parallel ranks (a row-parallel rank holds whole runs, at least one)"
+        )  # fmt: skip
+    cuts = [0]
+    for rank in range(1, ranks):  # leaves at least one run to each later rank
+        cuts.append(min(range(cuts[-1] + 1, runs - ranks + rank + 1), key=lambda i: abs(bounds[i][1] * ranks - words * rank)))
+    cuts.append(runs)
+    return [(bounds[a][0], bounds[b][0]) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def stored_rows(
+    tensors: dict[str, torch.Tensor], groups: list[Group], rows: tuple[int, int]
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A row-parallel rank's part of one EXL2 linear: stored rows [s0, s1) (cut between runs,
+    `split_stored_rows`) as an EXL2 linear of their own over s1 - s0 inputs taken in stored order
+    (q_invperm the identity): its q_weight rows, a group per piece of the groups they cross, those
+    groups' scale rows and maxima; and the input rows they multiply (argsort(q_invperm)[s0:s1]),
+    the columns of the whole x the rank picks."""
+    s0, s1 = rows
+    word_of = dict(run_bounds(groups))
+    crossed = [i for i, g in enumerate(groups) if g.rows.start < s1 and g.rows.stop > s0]
+    # (bits, first q_weight row) per piece; int32, since the file's int16 is read as uint16
+    pieces = [(groups[i].bits, word_of[max(groups[i].rows.start, s0)] - word_of[s0]) for i in crossed]
+    first, last = crossed[0], crossed[-1] + 1
+    part = {
+        "q_weight": tensors["q_weight"][word_of[s0] : word_of[s1]],
+        "q_scale": tensors["q_scale"][first:last],
+        "q_scale_max": tensors["q_scale_max"][first:last],
+        "q_groups": torch.tensor(pieces, dtype=torch.int32).flatten(),
+        "q_invperm": torch.arange(s1 - s0, dtype=torch.int32),
+    }
+    return part, torch.argsort(tensors["q_invperm"].long())[s0:s1].to(torch.int32)
 
 
 def _check_loaded(tensor: str, name: str, loaded: torch.Tensor, k: int, n: int) -> None:
@@ -206,12 +304,24 @@ class EXL2LinearMethod:
         self.prefix = prefix
         self.modules = checkpoint_modules(prefix)  # the checkpoint module of each shard
         self.tensors: dict[tuple[str, int], torch.Tensor] = {}
+        # A row-parallel rank's checkpoint tensors as loaded, until all five are in (its stored
+        # rows depend on q_groups, q_weight and q_invperm; the file's order is not fixed).
+        self.whole: dict[str, torch.Tensor] = {}
         self.planes: Any = None  # triton_exl2.EXL2Planes once packed for the kernels
+        self.inputs: torch.Tensor | None = None  # a row-parallel rank's columns of the whole x
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
-        self.input_size = input_size
         self.output_sizes = tuple(getattr(layer, "output_sizes", None) or (output_size,))
         self.params_dtype = params_dtype
+        # Tensor parallelism: each shard's output columns this rank holds (all of them unless
+        # column-parallel), and its stored rows if row-parallel (module docstring).
+        self.columns = [layer.tp_rows(shard) for shard in range(len(self.output_sizes))]
+        rows = layer.tp_cols()
+        self.input_size = rows.full  # the checkpoint's K, also for a row-parallel rank
+        self.tp: TPGroup | None = layer.tp if not rows.is_whole else None
+        # Outputs past the rank's columns: the last rank's padding rows of a vocabulary that does
+        # not divide by the ranks (the head), zeros.
+        self.padding = sum(self.output_sizes) - sum(c.length for c in self.columns)
         for name in CHECKPOINT_TENSORS:
             placeholder = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
             placeholder.weight_loader = self._loader(layer, name)  # type: ignore[attr-defined]
@@ -221,21 +331,39 @@ class EXL2LinearMethod:
         def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
             shard = 0 if shard_id is None else layer.shard_index(shard_id)
             tensor = f"{self.modules[shard]}.{name}"
-            _check_loaded(tensor, name, loaded, self.input_size, self.output_sizes[shard])
-            self.tensors[name, shard] = loaded.to(param.device, copy=True)
+            _check_loaded(tensor, name, loaded, self.input_size, self.columns[shard].full)
+            if self.tp is None:
+                self.tensors[name, shard] = output_columns(name, loaded, self.columns[shard]).to(param.device, copy=True)
+                return
+            self.whole[name] = loaded
+            if len(self.whole) == len(CHECKPOINT_TENSORS):
+                part, inputs = self._rank_rows(self.whole)
+                self.tensors |= {(n, 0): t.to(param.device, copy=True) for n, t in part.items()}
+                self.inputs = inputs.to(param.device)
+                self.whole.clear()
 
         return load
+
+    def _rank_rows(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """A row-parallel rank's stored rows of the layer (`stored_rows`), by the split the
+        start-up check made (`split_stored_rows`)."""
+        assert self.tp is not None
+        try:
+            groups = check_tensors(**tensors)
+            rows = split_stored_rows(groups, self.tp.size)[self.tp.rank]
+        except EXL2FormatError as e:
+            raise EXL2FormatError(f"{self.modules[0]}.{e.tensor}", e.detail) from None
+        return stored_rows(tensors, groups, rows)
 
     def _shard_tensors(self) -> list[dict[str, torch.Tensor]]:
         """Each shard's five checkpoint tensors (taken out of the method), checked against each
         other; the errors name the checkpoint tensor."""
         shards = []
         for shard, module in enumerate(self.modules):
-            tensors = {}
             for name in CHECKPOINT_TENSORS:
-                if (name, shard) not in self.tensors:
+                if (name, shard) not in self.tensors and name not in self.whole:
                     raise EXL2FormatError(f"{module}.{name}", "was not loaded (EXL2 layers need the checkpoint's tensors)")
-                tensors[name] = self.tensors.pop((name, shard))
+            tensors = {name: self.tensors.pop((name, shard)) for name in CHECKPOINT_TENSORS}
             try:
                 groups = check_tensors(**tensors)
             except EXL2FormatError as e:
@@ -253,7 +381,8 @@ class EXL2LinearMethod:
             return f"dequantized at load ({self.params_dtype} activations)"
         if not triton_exl2.supports(device, self.params_dtype):
             return "dequantized at load (the EXL2 kernels need Triton and a GPU of compute capability 8.0 or later)"
-        problem = triton_exl2.unsupported([_group_tuples(s["groups"]) for s in shards], self.input_size)
+        k = shards[0]["q_invperm"].numel()  # the layer's inputs; a row-parallel rank's: its stored rows
+        problem = triton_exl2.unsupported([_group_tuples(s["groups"]) for s in shards], k)
         return None if problem is None else f"dequantized at load ({problem})"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -263,8 +392,8 @@ class EXL2LinearMethod:
             from paphos.quant.kernels import triton_exl2
 
             planes = triton_exl2.pack([
-                triton_exl2.Shard(s["q_weight"], s["q_scale"], s["q_scale_max"], s["q_invperm"], _group_tuples(s["groups"]), rows)
-                for s, rows in zip(shards, self.output_sizes, strict=True)
+                triton_exl2.Shard(s["q_weight"], s["q_scale"], s["q_scale_max"], s["q_invperm"], _group_tuples(s["groups"]), c.length)
+                for s, c in zip(shards, self.columns, strict=True)
             ])  # fmt: skip
             if _self_check(planes, lambda: self._dense(shards, torch.float32), self.params_dtype):
                 for name, tensor in planes.tensors().items():  # buffers, so the model's memory accounts for them
@@ -276,22 +405,32 @@ class EXL2LinearMethod:
             else:
                 reason = "dequantized at load (the EXL2 kernels failed their start-up self-check on this GPU)"
         if reason is not None:
-            layer.register_buffer("dense_weight", self._dense(shards, self.params_dtype), persistent=False)
+            dense = F.pad(self._dense(shards, self.params_dtype), (0, 0, 0, self.padding))
+            layer.register_buffer("dense_weight", dense, persistent=False)
             self.log.record(reason, self.prefix)
+        if self.inputs is not None:
+            layer.register_buffer("exl2_inputs", self.inputs, persistent=False)
         for name in CHECKPOINT_TENSORS:
             delattr(layer, name)
 
     def _dense(self, shards: list[dict[str, Any]], dtype: torch.dtype) -> torch.Tensor:
-        """The layer's weight [N, K], every shard decoded and cropped to its output rows."""
-        parts = [dequantize(*(s[name] for name in CHECKPOINT_TENSORS))[:rows].to(dtype)
-                 for s, rows in zip(shards, self.output_sizes, strict=True)]  # fmt: skip
+        """The rank's weight [N, K], every shard decoded and cropped to its output columns (a
+        row-parallel rank's K: its stored rows, in stored order)."""
+        parts = [dequantize(*(s[name] for name in CHECKPOINT_TENSORS))[: c.length].to(dtype)
+                 for s, c in zip(shards, self.columns, strict=True)]  # fmt: skip
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.inputs is not None:
+            # A row-parallel rank: x arrives as its share of the features (from the column-parallel
+            # layer before); its stored rows multiply features anywhere in x (module docstring).
+            x = layer.tp.all_gather_last_dim(x).index_select(-1, self.inputs)
         if self.planes is None:
             return F.linear(x, layer.dense_weight, bias)
         x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
         y = self.matmul(x2, self.planes)
+        if self.padding:
+            y = F.pad(y, (0, self.padding))
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y + bias if bias is not None else y
@@ -366,6 +505,34 @@ class EXL2Config:
 
     def get_linear_method(self, prefix: str) -> EXL2LinearMethod:
         return EXL2LinearMethod(self.log, prefix)
+
+    def tp_split_problem(self, files: list[Path], ranks: int) -> str | None:
+        """Why the checkpoint in `files` cannot be split over `ranks` tensor-parallel ranks, or
+        None: a row-parallel layer (o_proj, down_proj) with fewer runs of 32 stored rows than
+        ranks (`split_stored_rows`; column-parallel layers split anywhere). Reads the q_groups of
+        those layers and the shapes of their q_weight and q_invperm, before any rank starts."""
+        from safetensors import safe_open
+
+        q_groups: dict[str, torch.Tensor] = {}
+        shapes: dict[tuple[str, str], list[int]] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    module, _, tensor = name.rpartition(".")
+                    if not module.endswith(ROW_PARALLEL):
+                        continue
+                    if tensor == "q_groups":
+                        q_groups[module] = f.get_tensor(name)
+                    elif tensor in ("q_weight", "q_invperm"):
+                        shapes[module, tensor] = f.get_slice(name).get_shape()
+        for module, groups in q_groups.items():
+            if (module, "q_weight") not in shapes or (module, "q_invperm") not in shapes:
+                continue  # loading names the missing tensor
+            try:
+                split_stored_rows(parse_groups(groups, shapes[module, "q_weight"][0], shapes[module, "q_invperm"][0]), ranks)
+            except EXL2FormatError as e:
+                return f"EXL2 tensor {module}.{e.tensor}: {e.detail}"
+        return None
 
     def summary(self) -> list[str]:
         return self.log.summary()

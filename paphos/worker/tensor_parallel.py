@@ -74,9 +74,6 @@ _MESSAGE_BYTES = 16384
 _HANG_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
-# Formats whose sharding is not written: what would have to be split.
-_NOT_SHARDED = {"exl2": "rows and scales"}
-
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed (the message names it); the engine cannot go on."""
@@ -113,20 +110,16 @@ def check_tensor_parallel(config: EngineConfig, source: Any, quant_config: Any, 
     if config.model.gguf_numerics != "float":
         raise ConfigError(f"--gguf-numerics {config.model.gguf_numerics} is not supported with {flag} yet")
     if quant_config is not None:
+        from paphos.quant.exl2 import EXL2Config
         from paphos.quant.gguf import GGUFQuantConfig
         from paphos.quant.int_linear import IntQuantConfig
-        from paphos.quant.registry import checkpoint_quantization
 
-        fmt = checkpoint_quantization(source)[0]
-        if fmt in _NOT_SHARDED:
-            raise ConfigError(
-                f"{fmt} checkpoints are not supported with {flag} yet (sharding their {_NOT_SHARDED[fmt]} is "
-                "not written); run them with -tp 1"
-            )
         if isinstance(quant_config, GGUFQuantConfig):
             _check_gguf_columns(quant_config, n)
         elif isinstance(quant_config, IntQuantConfig):
             _check_int_split(quant_config, text, n)
+        elif isinstance(quant_config, EXL2Config):
+            _check_exl2_split(quant_config, source, n)
     if device.type == "cuda":
         first, count = device.index or 0, torch.cuda.device_count()
         if first + n > count:
@@ -178,6 +171,16 @@ def _check_int_split(quant_config: Any, text: Any, n: int) -> None:
             problem = quant_config.tp_split_problem(prefix, rows, cols)
             if problem is not None:
                 raise ConfigError(f"--tensor-parallel-size {n}: {problem}")
+
+
+def _check_exl2_split(quant_config: Any, source: Any, n: int) -> None:
+    """An EXL2 o_proj / down_proj is split by runs of its stored rows (paphos/quant/exl2.py
+    `split_stored_rows`): every rank needs one; the checkpoint's q_groups say how many there are."""
+    from paphos.loader.safetensors_loader import safetensors_files
+
+    problem = quant_config.tp_split_problem(safetensors_files(source.path), n)
+    if problem is not None:
+        raise ConfigError(f"--tensor-parallel-size {n}: {problem}")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

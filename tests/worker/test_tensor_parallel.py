@@ -108,7 +108,7 @@ def _refusal(tmp_path: Path, tiny_model, case: str) -> tuple[str, dict[str, obje
         return str(tiny_model("llama", hidden_size=60, num_attention_heads=6, num_key_value_heads=3)[0]), {}
     if case == "intermediate":
         return str(tiny_model("llama", intermediate_size=129)[0]), {}
-    if case in ("gptq-4b-g128-sym", "exl2-4.0bpw-h6"):  # the tools' checkpoints
+    if case == "gptq-4b-g128-sym":  # the tool's checkpoint
         return str(checkpoint(case)), {}
     # gguf_blocks: 256 inputs of a Q4_K o_proj split in two: 128 per rank, half a block.
     path = write_tiny_llama(tmp_path / "t.gguf", [{"attn_output": "Q4_K"}], hidden=256, inter=512)
@@ -123,7 +123,6 @@ def _refusal(tmp_path: Path, tiny_model, case: str) -> tuple[str, dict[str, obje
     ("gguf_blocks", "GGUF tensor model.layers.0.self_attn.o_proj.weight (Q4_K, 256 inputs)"),
     # o_proj's 128 inputs split in two cut its groups of 128
     ("gptq-4b-g128-sym", "model.layers.0.self_attn.o_proj: quantization_config group_size 128: a rank's 64 input rows"),
-    ("exl2-4.0bpw-h6", "exl2 checkpoints are not supported with --tensor-parallel-size 2 yet"),
 ])  # fmt: skip
 def test_models_and_formats_that_cannot_be_split_are_refused_at_start_up(
     tmp_path: Path, tiny_model, case: str, message: str

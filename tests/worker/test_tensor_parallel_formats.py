@@ -39,7 +39,7 @@ from tests.lora.peft_fixtures import make_adapter, write_tiny_llama
 from tests.quant.test_checkpoint_parity import FIXTURES, LINEARS, checkpoint, dense_weight
 from tests.worker.test_tensor_parallel import ENGINE, _assert_same, _prompts, _workload
 
-# The integer and FP8 fixtures (EXL2 stays refused with -tp N > 1).
+# The integer and FP8 fixtures (EXL2's: test_tensor_parallel_exl2.py).
 FORMATS = tuple(name for name in FIXTURES if not name.startswith("exl2"))
 # Of them, the ones whose every layer splits in two (act-order or per-channel: any input range;
 # the group-64 / group-128 ones cut down_proj's 160 inputs per rank inside a group).
@@ -53,6 +53,12 @@ def _model(path: Path) -> tuple[Any, Any]:
     """(HF config, quant config) of a checkpoint, as start-up reads them."""
     source = load_model_source(str(path))
     return source.hf_config, select_quant_config(source, None)
+
+
+def _weights_file(path: Path) -> Path:
+    """The one safetensors file of a fixture (exllamav2 names it output.safetensors)."""
+    (file,) = path.glob("*.safetensors")
+    return file
 
 
 def _layer(path: Path, kind: str, tp: TPGroup) -> LinearBase:
@@ -71,7 +77,7 @@ def _layer(path: Path, kind: str, tp: TPGroup) -> LinearBase:
                                                        quant_method=method),
         }[kind]()  # fmt: skip
     loaded = 0
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(_weights_file(path)), framework="pt") as f:
         for name in f.keys():
             module, _, param = name.removeprefix("model.layers.0.").rpartition(".")
             if not name.startswith("model.layers.0.") or LINEARS.get(module, ("",))[0] != kind:
@@ -94,7 +100,7 @@ def _head(path: Path, tp: TPGroup) -> LMHead:
     config, quant_config = _model(path)
     with parallel.building(tp):
         head = LMHead(config.vocab_size, config.hidden_size, quant_method=quant_config.get_linear_method("lm_head"))
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(_weights_file(path)), framework="pt") as f:
         for name in (n for n in f.keys() if n.startswith("lm_head.")):
             param = getattr(head, name.removeprefix("lm_head."))
             param.weight_loader(param, f.get_tensor(name))

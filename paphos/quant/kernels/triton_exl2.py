@@ -3,7 +3,9 @@ the one entry point an EXL2 layer calls every step.
 
 Data flow: paphos/quant/exl2.py loads each shard's checkpoint tensors, `pack` turns them into one
 `EXL2Planes` per layer (all shards of a merged q|k|v or gate|up layer in one set of planes) and
-frees the checkpoint tensors; then every forward is `matmul(x, planes)`, by tokens per step M:
+frees the checkpoint tensors (with `-tp N`, a rank's part: its output columns, or a row-parallel
+rank's stored rows as a layer of their own, exl2.py; the layout is the same); then every forward
+is `matmul(x, planes)`, by tokens per step M:
   - M <= GEMV_MAX_TOKENS (decode): `_gemv_kernel`, one launch per layer (merged shards included),
     reading each packed word once for all M tokens, fp32 accumulation, output in x's dtype.
   - above: `_dequant_kernel` writes W^T [K, N] in the model dtype, rows in input order, into the
