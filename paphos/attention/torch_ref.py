@@ -5,8 +5,9 @@ Data flow: model runner -> model -> attention layer -> here. Two jobs:
   * the CPU serving path, so nothing loops per token in Python. Per step (the plan is built once
     from the host copies in `AttentionMetadata` and reused by every layer):
       - decode rows (query_len 1) are attended together: their contexts are gathered from the
-        block tables into a padded [B, L, Hkv, D] tensor with a length mask, then two batched
-        matmuls grouped by KV head (no K/V duplication for GQA);
+        block tables into a padded [B, L, Hkv, D] tensor with a length mask, then SDPA with GQA
+        (no K/V duplication); inside the compiled CPU decode step, two reductions that inductor
+        fuses with the gather instead (`_attend_decode_reduced`, twice as fast there);
       - prefill chunks are attended one sequence at a time with
         `torch.nn.functional.scaled_dot_product_attention` (or the matmul path when soft-capping).
 All score/softmax/value math runs in fp32 whatever the cache dtype; the result is cast back.
@@ -189,6 +190,8 @@ class TorchReferenceBackend:
             # The query sits at position seq_len - 1 and sees the keys after p - window.
             valid &= pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
 
+        if torch.compiler.is_compiling():
+            return _attend_decode_reduced(q, keys, values, valid, scale, soft_cap).to(q.dtype)
         mask = valid[:, None, None, :]  # [b, 1, Lq=1, L]
         out = _attend(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask, scale, soft_cap)
         return out.squeeze(2).to(q.dtype)
@@ -256,6 +259,36 @@ def _attend(
         q_len, ctx_len = q.shape[2], k.shape[2]
         mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril()[None, None]
     return _softcapped_attention(q, k, v, mask, scale, soft_cap)
+
+
+def _attend_decode_reduced(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """Decode attention inside a compiled CPU step (worker/compiled_decode.py): q [b, Hq, D], keys
+    and values [b, L, Hkv, D] as gathered, valid bool [b, L] -> fp32 [b, Hq, D].
+
+    The same fp32 math as `_attend`, written as two reductions that inductor fuses with the
+    gather from the block table, the keys read along the context in the innermost loop. SmolLM2's
+    decode attention on 2 cores, per layer, 128-token contexts: 89 us against 170 us for the
+    gather and SDPA's CPU kernel at 16 sequences, 26 against 43 us at one.
+    """
+    b, num_heads, head_dim = q.shape
+    length, num_kv_heads = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.float().view(b, num_kv_heads, group, head_dim, 1)
+    keys_t = keys.permute(0, 2, 3, 1).float().unsqueeze(2)  # [b, Hkv, 1, D, L]
+    scores = (qg * keys_t).sum(3) * scale  # [b, Hkv, G, L]
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~valid.view(b, 1, 1, length), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).unsqueeze(-1)  # [b, Hkv, G, L, 1]
+    out = (probs * values.permute(0, 2, 1, 3).float().unsqueeze(2)).sum(3)  # [b, Hkv, G, D]
+    return out.view(b, num_heads, head_dim)
 
 
 def _softcapped_attention(

@@ -123,6 +123,15 @@ def test_soft_cap_with_window() -> None:
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (5, None), (None, 3.0), (4, 3.0)])
+def test_compiled_cpu_decode_form_matches(monkeypatch: pytest.MonkeyPatch, window: int | None,
+                                          cap: float | None) -> None:  # fmt: skip
+    # Inside the compiled CPU decode step, decode rows attend through reductions instead of SDPA.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out, expected = run_case([(1, 17), (1, 1), (1, 40), (1, 9)], 2, 3, window=window, cap=cap, q_gain=4.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_cache() -> None:
     out, expected = run_case(MIXED, 2, 2, dtype=torch.bfloat16)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
