@@ -224,7 +224,7 @@ def summarize(results: list[RequestResult], duration_s: float, cfg: BenchConfig)
 async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
+        connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
         headers=headers,
     ) as client:
         model = await resolve_model(client, cfg)

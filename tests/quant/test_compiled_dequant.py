@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from paphos.quant.kernels import compiled_dequant, int4pack_cpu, int8_group_cpu
+from paphos.quant.kernels import compiled_dequant, int4pack_cpu, int8_group_cpu, native_cpu
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_compiled_dequantizers_equal_the_eager_ones(enabled, caplog: pytest.LogC
 def test_long_chunks_take_the_dense_path_from_fewer_rows_when_compiled(enabled) -> None:
     packed, scale_zero = _packed(128, 64, 2)
     x = torch.randn(int4pack_cpu.DENSE_MIN_TOKENS_COMPILED, 64, dtype=torch.bfloat16)
-    with compiled_dequant.warming_up():
+    with compiled_dequant.warming_up(), native_cpu.disabled():  # the native kernel would take 128 rows
         dense = int4pack_cpu.matmul(x, packed, scale_zero, 32)
     assert int4pack_cpu.unpack in compiled_dequant._compiled  # the dense path ran, compiled
     reference = torch.nn.functional.linear(x, int4pack_cpu.unpack(packed, scale_zero, 32))

@@ -54,7 +54,7 @@ from paphos.quant.gguf.dequant import (
     q4_affine_groups,
 )
 from paphos.quant.gguf.triton_gguf import TritonGGUFKernel
-from paphos.quant.kernels import int4pack_cpu, int8_group_cpu
+from paphos.quant.kernels import int4pack_cpu, int8_group_cpu, native_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class Int8GroupCPUKernel:
             q, scale = int8_groups(raw_shard(layer.weight, s), s.type_name)
             codes.append(q)
             scales.append(scale.repeat_interleave(INT8_GROUP_TYPES[s.type_name] // group, dim=1))
+        native_cpu.load()
         layer.register_buffer("gguf_codes", torch.cat(codes).contiguous(), persistent=False)
         layer.register_buffer("gguf_scales", torch.cat(scales).contiguous(), persistent=False)
         self.dtype = dtype

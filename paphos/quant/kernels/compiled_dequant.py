@@ -23,8 +23,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 # A prefill of this many rows reaches every dequantizer at start-up (the int4 GEMM path starts at
-# int4pack_cpu.DENSE_MIN_TOKENS_COMPILED rows; int8 weights dequantize from 2).
-WARM_UP_TOKENS = 128
+# int4pack_cpu.DENSE_MIN_TOKENS_OVER_NATIVE rows, or DENSE_MIN_TOKENS_COMPILED without the native
+# kernel; int8 weights dequantize from 2 rows where there is no native kernel).
+WARM_UP_TOKENS = 384
 
 _state = {"enabled": False, "warming": False, "failed": False}
 _compiled: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {}

@@ -1,0 +1,194 @@
+/* Packed-weight matmuls for several activation rows on x86 CPUs with AVX512-BF16.
+ *
+ * Built and loaded by native_cpu.py; the weights stay in the layouts the rest of Paphos uses
+ * (int8_group_cpu.py, int4pack_cpu.py). Each thread takes blocks of 16 weight rows, dequantizes a
+ * block once into a buffer that stays in L1/L2 (fp32 math, rounded to bf16 as the dense path's
+ * dequantizer does), then multiplies it with every activation row by `vdpbf16ps` (bf16 pairs,
+ * fp32 sums). The weight is read once per call and never written back to memory in bf16, which is
+ * what the dequantize-then-GEMM path pays for.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+int paphos_cpu_has_avx512_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+        && __builtin_cpu_supports("avx512bf16");
+}
+
+static uint16_t bf16_round(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static void *buffer(size_t bytes) {
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T with w[n, k] = q[n, k] * scales[n, k / group]: q int8 row-major,
+ * scales float32 [N, K / group], group 16 or 32, K a multiple of 32. x bf16; y float32 or bf16.
+ *
+ * Rows of q are dequantized row-major, so the 16 lanes of a vector are 16 activation rows (x is
+ * first regrouped so that a vector holds the (k, k + 1) pairs of 16 rows) and each weight pair is
+ * broadcast; a 16 x 16 tile of y is transposed on the way out. */
+AVX512_BF16 void paphos_int8_group_mm(const int8_t *q, const float *scales, int64_t group,
+                                      const uint16_t *x, void *y, int32_t y_is_bf16,
+                                      int64_t M, int64_t N, int64_t K) {
+    const int64_t pairs = K / 2, groups = K / group;
+    const int64_t m_blocks = (M + 15) / 16, n_blocks = (N + 15) / 16;
+    uint32_t *x_pairs = buffer((size_t)m_blocks * pairs * 16 * 4);
+    for (int64_t mb = 0; mb < m_blocks; mb++)
+        for (int64_t kp = 0; kp < pairs; kp++)
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t m = mb * 16 + i;
+                uint32_t pair = 0;
+                if (m < M) memcpy(&pair, x + m * K + 2 * kp, 4);
+                x_pairs[(mb * pairs + kp) * 16 + i] = pair;
+            }
+#pragma omp parallel
+    {
+        uint16_t *w = buffer((size_t)16 * K * 2);
+        float tile[16][16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < n_blocks; nb++) {
+            const int64_t n0 = nb * 16, rows = N - n0 < 16 ? N - n0 : 16;
+            for (int64_t j = 0; j < rows; j++) {
+                const int8_t *qr = q + (n0 + j) * K;
+                const float *sr = scales + (n0 + j) * groups;
+                uint16_t *wr = w + j * K;
+                for (int64_t k = 0; k < K; k += 32, sr += 32 / group) {
+                    const __m256i codes = _mm256_loadu_si256((const __m256i *)(qr + k));
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+                    const __m512 s_lo = _mm512_set1_ps(sr[0]), s_hi = _mm512_set1_ps(sr[group == 16]);
+                    const __m512bh values = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi), _mm512_mul_ps(lo, s_lo));
+                    _mm512_storeu_si512((void *)(wr + k), (__m512i)values);
+                }
+            }
+            if (rows < 16) memset(w + rows * K, 0, (size_t)(16 - rows) * K * 2);
+            for (int64_t mb = 0; mb < m_blocks; mb++) {
+                __m512 acc[16];
+                for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+                const uint32_t *xp = x_pairs + mb * pairs * 16;
+                for (int64_t kp = 0; kp < pairs; kp++) {
+                    const __m512bh xv = (__m512bh)_mm512_load_si512((const void *)(xp + kp * 16));
+#pragma GCC unroll 16
+                    for (int j = 0; j < 16; j++) {
+                        int32_t pair;
+                        memcpy(&pair, w + j * K + 2 * kp, 4);
+                        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), xv);
+                    }
+                }
+                for (int j = 0; j < 16; j++) _mm512_store_ps(tile[j], acc[j]);
+                const int64_t m0 = mb * 16, m_rows = M - m0 < 16 ? M - m0 : 16;
+                for (int64_t i = 0; i < m_rows; i++) {
+                    if (y_is_bf16) {
+                        uint16_t *yr = (uint16_t *)y + (m0 + i) * N + n0;
+                        for (int64_t j = 0; j < rows; j++) yr[j] = bf16_round(tile[j][i]);
+                    } else {
+                        float *yr = (float *)y + (m0 + i) * N + n0;
+                        for (int64_t j = 0; j < rows; j++) yr[j] = tile[j][i];
+                    }
+                }
+            }
+        }
+        free(w);
+    }
+    free(x_pairs);
+}
+
+/* One block of up to 8 activation rows against a block of 16 int4 weight rows: per group, the
+ * exact sums of x * (q - 8) (bf16 products, fp32 sums), then * scale + sum(x) * zero. */
+AVX512_BF16 static inline __attribute__((always_inline)) void int4_rows(
+    const __m512i *codes, const __m512 *scale, const __m512 *zero, const uint16_t *x, const float *x_sums,
+    uint16_t *y, int64_t rows, int64_t groups, int64_t group_pairs, int64_t N, int64_t K) {
+    __m512 acc[8], part[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        for (int i = 0; i < 8; i++) part[i] = _mm512_setzero_ps();
+        for (int64_t kp = g * group_pairs; kp < (g + 1) * group_pairs; kp++) {
+            const __m512bh wv = (__m512bh)codes[kp];
+            for (int64_t i = 0; i < rows; i++) {
+                int32_t pair;
+                memcpy(&pair, x + i * K + 2 * kp, 4);
+                part[i] = _mm512_dpbf16_ps(part[i], (__m512bh)_mm512_set1_epi32(pair), wv);
+            }
+        }
+        for (int64_t i = 0; i < rows; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[i * groups + g]), zero[g],
+                                     _mm512_fmadd_ps(part[i], scale[g], acc[i]));
+    }
+    for (int64_t i = 0; i < rows; i++)
+        _mm256_storeu_si256((__m256i *)(y + i * N), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+
+/* y[M, N] (bf16) = x[M, K] (bf16) @ w[N, K]^T for torch's CPU int4pack layout: N a multiple of 64,
+ * byte [n / 64, k, i] holds row n = 64 t + i in its low nibble and row 64 t + i + 32 in its high
+ * one (i < 32); scale_zero bf16 [K / group, N, 2]; w[n, k] = (q - 8) * scale + zero.
+ *
+ * A block of 16 rows at the pair (k, k + 1) is 16 bytes of two consecutive k, interleaved, so
+ * here the 16 lanes of a vector are 16 weight rows and each activation pair is broadcast. The
+ * codes become bf16 (q - 8), exact, by one table lookup; scales and zero points apply per group
+ * to the fp32 sums, so no product is rounded to bf16 before it is summed. */
+AVX512_BF16 void paphos_int4pack_mm(const uint8_t *packed, const uint16_t *scale_zero, int64_t group,
+                                    const uint16_t *x, uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    const int64_t pairs = K / 2, groups = K / group, n_blocks = N / 16;
+    float *x_sums = buffer((size_t)M * groups * 4);
+    uint16_t minus_eight[32];
+    for (int i = 0; i < 32; i++) minus_eight[i] = bf16_round((float)(i % 16) - 8.0f);
+    const __m512i table = _mm512_loadu_si512((const void *)minus_eight);
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < groups; g++) {
+                float sum = 0.0f;
+                for (int64_t k = g * group; k < (g + 1) * group; k++) {
+                    const uint32_t bits = (uint32_t)x[m * K + k] << 16;
+                    float value;
+                    memcpy(&value, &bits, 4);
+                    sum += value;
+                }
+                x_sums[m * groups + g] = sum;
+            }
+        __m512i *codes = buffer((size_t)pairs * 64);
+        __m512 *scale = buffer((size_t)groups * 64), *zero = buffer((size_t)groups * 64);
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < n_blocks; nb++) {
+            const int64_t n0 = nb * 16, sub = nb % 4;
+            const uint8_t *tile = packed + (nb / 4) * K * 32 + (sub % 2) * 16;
+            for (int64_t g = 0; g < groups; g++) {
+                /* 16 rows' (scale, zero) bf16 pairs: one 32-bit lane per row. */
+                const __m512i sz = _mm512_loadu_si512((const void *)(scale_zero + (g * N + n0) * 2));
+                scale[g] = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+                zero[g] = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32((int)0xffff0000u)));
+            }
+            for (int64_t kp = 0; kp < pairs; kp++) {
+                const __m128i a = _mm_loadu_si128((const __m128i *)(tile + 2 * kp * 32));
+                const __m128i b = _mm_loadu_si128((const __m128i *)(tile + (2 * kp + 1) * 32));
+                __m512i words = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+                if (sub >= 2) words = _mm512_srli_epi16(words, 4);
+                codes[kp] = _mm512_permutexvar_epi16(words, table); /* low 5 bits index it: both halves alike */
+            }
+            int64_t m0 = 0;
+            for (; m0 + 8 <= M; m0 += 8)
+                int4_rows(codes, scale, zero, x + m0 * K, x_sums + m0 * groups, y + m0 * N + n0, 8, groups,
+                          group / 2, N, K);
+            if (m0 < M)
+                int4_rows(codes, scale, zero, x + m0 * K, x_sums + m0 * groups, y + m0 * N + n0, M - m0, groups,
+                          group / 2, N, K);
+        }
+        free(codes);
+        free(scale);
+        free(zero);
+    }
+    free(x_sums);
+}

@@ -1,0 +1,174 @@
+"""Native packed-weight matmuls for several activation rows on the CPU (cpu_tiles.c): the int8-group
+LM head and the int4pack layers of bf16 models, from two rows up to prefill chunks, on x86 CPUs
+with AVX512-BF16.
+
+Data flow: int8_group_cpu.matmul / int4pack_cpu.matmul -> `int8_group_mm` / `int4pack_mm`
+(torch ops, so that the compiled decode step calls them from inside its graphs) -> the C kernels.
+
+Why: torch's int4pack matmul runs ~170 GMAC/s at 16 rows on two cores where bf16 arithmetic
+allows twice that, and the int8 head's dequantize-then-GEMM writes and reads its weight in bf16 on
+every call (a 49152 x 576 head at 16 rows: 5.6 ms in the decode step). The C kernels dequantize a
+block of 16 weight rows into a buffer that stays in cache and multiply it with every row from
+there (`vdpbf16ps`): the same head 1.9 ms.
+
+The source is compiled once per machine by the system C compiler (the one inductor uses for the
+compiled decode step) into Paphos' cache directory, keyed by the source's hash. Without a
+compiler, on other CPUs, or with PAPHOS_CPU_TILES=0, `available()` is False and the callers keep
+their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from paphos.default_model import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_tiles.c")
+ENV_SWITCH = "PAPHOS_CPU_TILES"
+INT8_GROUPS = (16, 32)
+# Rows from which the int4 kernel beats torch's int4pack matmul (SmolLM2's four layer shapes, 2
+# cores: at 4 rows 27-78 vs 16-51 us, at 8 even, at 16 153 vs 172 us for gate|up).
+INT4_MIN_ROWS = 8
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Loaded:
+    library: ctypes.CDLL | None = None
+    tried = False
+
+
+def load() -> bool:
+    """Builds (once per machine) and opens the library; whether the native matmuls are usable.
+    Called where packed weights are prepared, never inside a compiled graph."""
+    if not _Loaded.tried:
+        _Loaded.tried = True
+        _Loaded.library = _open()
+    return _Loaded.library is not None
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Within it, callers take their torch paths (tests of those paths, A/B measurements)."""
+    library, _Loaded.library = _Loaded.library, None
+    try:
+        yield
+    finally:
+        _Loaded.library = library
+
+
+def available() -> bool:
+    """Whether `load()` found the native matmuls usable (a plain read: cheap inside a graph)."""
+    return _Loaded.library is not None
+
+
+def _open() -> ctypes.CDLL | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        path = _build()
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.info("native CPU matmuls not built (%s): using torch's", exc)
+        return None
+    library = ctypes.CDLL(str(path))
+    if not library.paphos_cpu_has_avx512_bf16():
+        logger.info("this CPU has no AVX512-BF16: the native CPU matmuls are off")
+        return None
+    library.paphos_int8_group_mm.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int32, _I64, _I64, _I64]
+    library.paphos_int4pack_mm.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+    return library
+
+
+def _build() -> Path:
+    """The shared library for this source, compiled into the cache unless already there."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler on PATH")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    target_dir = default_cache_dir().parent / "native"
+    target = target_dir / f"cpu_tiles-{digest}.so"
+    if target.is_file():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: concurrent builders (tensor-parallel ranks,
+    # test workers) never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target_dir) as work:
+        built = Path(work) / target.name
+        subprocess.run([compiler, "-O3", "-fPIC", "-shared", "-fopenmp", str(SOURCE), "-o", str(built)],
+                       check=True, capture_output=True, timeout=300)  # fmt: skip
+        os.replace(built, target)
+    logger.info("built the native CPU matmuls: %s", target)
+    return target
+
+
+def int8_group_supported(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> bool:
+    k = q.shape[1]
+    return (
+        available()
+        and x.dtype == torch.bfloat16
+        and k % 32 == 0
+        and k // scales.shape[1] in INT8_GROUPS
+        and scales.dtype == torch.float32
+    )
+
+
+def int4pack_supported(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    # The int4pack layout this reads is the one int4pack_cpu.unpack checks once per process.
+    return available() and x.dtype == torch.bfloat16 and packed.shape[0] % 64 == 0
+
+
+_ops = torch.library.Library("paphos", "FRAGMENT")
+_ops.define("int8_group_mm(Tensor x, Tensor q, Tensor scales, ScalarType out_dtype) -> Tensor")
+_ops.define("int4pack_mm(Tensor x, Tensor packed, Tensor scale_zero, int group_size) -> Tensor")
+
+
+def _int8_group_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    x, q, scales = x.contiguous(), q.contiguous(), scales.contiguous()
+    m, (n, k) = x.shape[0], q.shape
+    y = torch.empty(m, n, dtype=out_dtype)
+    _Loaded.library.paphos_int8_group_mm(q.data_ptr(), scales.data_ptr(), k // scales.shape[1], x.data_ptr(),
+                                         y.data_ptr(), int(out_dtype == torch.bfloat16), m, n, k)  # fmt: skip
+    return y
+
+
+def _int4pack_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    m, n, k = x.shape[0], packed.shape[0], x.shape[1]
+    if m < INT4_MIN_ROWS:
+        # Decided here, not in the graph that calls this, where the batch size is symbolic.
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
+    x, packed, scale_zero = x.contiguous(), packed.contiguous(), scale_zero.contiguous()
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    _Loaded.library.paphos_int4pack_mm(packed.data_ptr(), scale_zero.data_ptr(), group_size, x.data_ptr(),
+                                       y.data_ptr(), m, n, k)  # fmt: skip
+    return y
+
+
+_ops.impl("int8_group_mm", _int8_group_mm, "CPU")
+_ops.impl("int4pack_mm", _int4pack_mm, "CPU")
+_ops.impl("int8_group_mm", lambda x, q, scales, out_dtype: x.new_empty(x.shape[0], q.shape[0], dtype=out_dtype), "Meta")
+_ops.impl("int4pack_mm", lambda x, packed, scale_zero, group_size: x.new_empty(x.shape[0], packed.shape[0]), "Meta")
+
+
+def int8_group_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x bf16 [M, K] @ (q * scales per group)^T -> [M, N] in out_dtype (float32 or bf16)."""
+    return torch.ops.paphos.int8_group_mm(x, q, scales, out_dtype)
+
+
+def int4pack_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x bf16 [M, K] @ the int4pack weight^T -> bf16 [M, N] (torch's int4pack matmul below
+    INT4_MIN_ROWS rows)."""
+    return torch.ops.paphos.int4pack_mm(x, packed, scale_zero, group_size)

@@ -1,0 +1,93 @@
+"""The native CPU matmuls (paphos/quant/kernels/native_cpu.py) against exact products of the
+weights they read, and the routes that choose them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paphos.quant.kernels import int4pack_cpu, int8_group_cpu, native_cpu
+
+pytestmark = pytest.mark.skipif(not native_cpu.load(), reason="needs an x86 CPU with AVX512-BF16 and a C compiler")
+
+
+def _x(rows: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 40])
+def test_int8_groups_multiply_the_bf16_weight_in_fp32(group: int, rows: int) -> None:
+    n, k = 1040, 96  # 1040 = 65 blocks of 16 rows; the last is partial in the second test below
+    gen = torch.Generator().manual_seed(group + rows)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01
+    x = _x(rows, k)
+    # The dense path's weight: each value dequantized in fp32 and rounded to bf16.
+    w = int8_group_cpu.dequantize_rows(q, scales, torch.bfloat16).double()
+    reference = x.double() @ w.t()
+    y = native_cpu.int8_group_mm(x, q, scales, torch.float32)
+    assert y.shape == (rows, n)
+    assert (y.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert torch.equal(native_cpu.int8_group_mm(x, q, scales, torch.bfloat16), y.to(torch.bfloat16))
+
+
+def test_int8_groups_take_a_partial_last_block() -> None:
+    q = torch.randint(-127, 128, (37, 64), dtype=torch.int8)
+    scales = torch.rand(37, 2)
+    x = _x(3, 64)
+    reference = x.double() @ int8_group_cpu.dequantize_rows(q, scales, torch.bfloat16).double().t()
+    y = native_cpu.int8_group_mm(x, q, scales, torch.float32)
+    assert (y.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+def _int4(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02).to(torch.bfloat16).float()
+    zeros = (torch.randn(n, k // group, generator=gen) * 0.01).to(torch.bfloat16).float()
+    packed, scale_zero = int4pack_cpu.pack(codes, scales, zeros)
+    w = (codes.double() - 8).view(n, k // group, group) * scales.double().unsqueeze(-1) + zeros.double().unsqueeze(-1)
+    return packed, scale_zero, w.view(n, k)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (128, 256, 64), (192, 256, 128)])
+@pytest.mark.parametrize("rows", [8, 9, 16, 33])
+def test_int4pack_layout_sums_exact_products(n: int, k: int, group: int, rows: int) -> None:
+    packed, scale_zero, w = _int4(n, k, group, seed=n + rows)
+    x = _x(rows, k, seed=rows)
+    reference = x.double() @ w.t()
+    y = native_cpu.int4pack_mm(x, packed, scale_zero, group)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    # Products exact, fp32 sums, one rounding to the bf16 output.
+    assert (y.double() - reference).abs().max() <= 2**-8 * reference.abs().max()
+
+
+def test_int4pack_below_the_native_rows_is_torchs_kernel() -> None:
+    packed, scale_zero, _ = _int4(64, 64, 32, seed=1)
+    x = _x(native_cpu.INT4_MIN_ROWS - 1, 64)
+    torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero)
+    assert torch.equal(native_cpu.int4pack_mm(x, packed, scale_zero, 32), torch_kernel)
+
+
+def test_matmuls_route_several_rows_to_the_native_kernels() -> None:
+    packed, scale_zero, _ = _int4(128, 64, 32, seed=2)
+    x = _x(16, 64)
+    native = int4pack_cpu.matmul(x, packed, scale_zero, 32)
+    assert torch.equal(native, native_cpu.int4pack_mm(x, packed, scale_zero, 32))
+    with native_cpu.disabled():
+        assert torch.equal(int4pack_cpu.matmul(x, packed, scale_zero, 32),
+                           torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero))  # fmt: skip
+
+    q = torch.randint(-127, 128, (64, 64), dtype=torch.int8)
+    scales = torch.rand(64, 2)
+    assert torch.equal(int8_group_cpu.matmul(x, q, scales), native_cpu.int8_group_mm(x, q, scales, torch.bfloat16))
+    with native_cpu.disabled():
+        dense = F.linear(x, int8_group_cpu.dequantize_rows(q, scales, torch.bfloat16))
+        assert torch.equal(int8_group_cpu.matmul(x, q, scales), dense)
+
+
+def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
+    assert native_cpu._open() is None
