@@ -11,7 +11,7 @@ Matmul, by caller:
     576 tied head on 2 cores: 1.8-2.1 ms against 3.2 ms for its bf16 copy and 2.7 ms for torch's
     int8 weight-only matmul run per group);
   * several rows in bf16 on a CPU with AVX512-BF16 (native_cpu.py): blocks of 16 rows dequantized
-    into cache and multiplied there (the same head at 16 rows: 2.3 ms against 5.6 ms);
+    into cache and multiplied there (the head at 16 rows: 2.9 ms of a decode step against 5.6 ms);
   * anything else (eager steps, several rows): row chunks dequantized to the activation dtype (by
     the compiled dequantizer when the decode step is compiled, compiled_dequant.py) and a GEMM,
     the numerics of a weight dequantized at load, with the weight's bytes read and written once

@@ -9,7 +9,7 @@ Why: torch's int4pack matmul runs ~170 GMAC/s at 16 rows on two cores where bf16
 allows twice that, and the int8 head's dequantize-then-GEMM writes and reads its weight in bf16 on
 every call (a 49152 x 576 head at 16 rows: 5.6 ms in the decode step). The C kernels dequantize a
 block of 16 weight rows into a buffer that stays in cache and multiply it with every row from
-there (`vdpbf16ps`): the same head 1.9 ms.
+there (`vdpbf16ps`): the same head 2.9 ms, a 16-sequence SmolLM2 Q4_0 step 24.5 -> 19.2 ms.
 
 The source is compiled once per machine by the system C compiler (the one inductor uses for the
 compiled decode step) into Paphos' cache directory, keyed by the source's hash. Without a
