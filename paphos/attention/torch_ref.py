@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from paphos.attention.backend import Rotary, dequantize_kv, write_kv_cache
 from paphos.attention.metadata import AttentionMetadata
+from paphos.layers import native_cpu
 
 
 @dataclass
@@ -96,7 +97,21 @@ class TorchReferenceBackend:
             out[group.rows] = self._attend_decode(
                 q[group.rows], kv_cache, group.seq_lens, group.block_tables, scale, sliding_window, logits_soft_cap
             )
-        for p in plan.prefills:
+        prefills = plan.prefills
+        if (
+            sliding_window is None
+            and logits_soft_cap is None
+            and kv_cache.dtype == k.dtype
+            and native_cpu.prefill_attention_supported(q, k, v)
+        ):
+            # Whole prompts (the chunk is the context) in one native call: SmolLM2's 512-token
+            # prompt 0.85 ms a layer against 3.3 ms for SDPA's CPU kernel; 15 of 64 tokens 0.41 ms
+            # against 1.65 ms in SDPA calls of one sequence each.
+            whole = [p for p in prefills if p.end - p.start == p.seq_len]
+            if whole:
+                native_cpu.prefill_attention(q, k, v, out, [p.start for p in whole], [p.seq_len for p in whole], scale)
+                prefills = [p for p in prefills if p.end - p.start != p.seq_len]
+        for p in prefills:
             out[p.start : p.end] = self._prefill(q, k, v, kv_cache, p, scale, sliding_window, logits_soft_cap)
         return out
 

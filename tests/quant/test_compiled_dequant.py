@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 
-from paphos.quant.kernels import compiled_dequant, int4pack_cpu, int8_group_cpu, native_cpu
+from paphos.layers import native_cpu
+from paphos.quant.kernels import compiled_dequant, int4pack_cpu, int8_group_cpu
 
 
 @pytest.fixture

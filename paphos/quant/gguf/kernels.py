@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paphos.layers import native_cpu
 from paphos.quant.gguf.base import (
     DequantizedAtLoadKernel,
     GGUFKernel,
@@ -54,7 +55,7 @@ from paphos.quant.gguf.dequant import (
     q4_affine_groups,
 )
 from paphos.quant.gguf.triton_gguf import TritonGGUFKernel
-from paphos.quant.kernels import int4pack_cpu, int8_group_cpu, native_cpu
+from paphos.quant.kernels import int4pack_cpu, int8_group_cpu
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paphos.quant.kernels import compiled_dequant, native_cpu
+from paphos.layers import native_cpu
+from paphos.quant.kernels import compiled_dequant
 
 CHUNK_ROWS = 8192  # rows dequantized at a time on the GEMM path (bounds its scratch memory)
 

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -191,4 +192,126 @@ AVX512_BF16 void paphos_int4pack_mm(const uint8_t *packed, const uint16_t *scale
         free(zero);
     }
     free(x_sums);
+}
+
+/* exp in fp32 for x <= ~88: Cody-Waite reduction to r in [-ln2/2, ln2/2], a degree-6 Taylor
+ * polynomial (relative error ~1e-7), scaled by 2^n. Inputs below -87 (and -inf) give ~0. */
+AVX512_BF16 static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Causal self-attention of whole prompts: sequence s is rows starts[s] .. starts[s] + lens[s] - 1
+ * of q [T, Hq, D], k and v [T, Hkv, D] (bf16, heads contiguous, rows `*_row` elements apart) and
+ * attends to its own rows only; out [T, Hq, D] bf16 likewise. Query head h reads KV head
+ * h / (Hq / Hkv). D even, at most 256.
+ *
+ * A task is 16 query rows of one head: the 16 lanes of a vector are those rows, each key's pair
+ * (d, d + 1) is broadcast, so q.k sums exact bf16 products in fp32 (`vdpbf16ps`); the scores are
+ * scaled, masked and softmaxed online in fp32 and the values summed in fp32 (flash attention's
+ * recurrence, as in SDPA's CPU kernel). */
+AVX512_BF16 void paphos_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row,
+                                          const uint16_t *v, int64_t v_row, uint16_t *out, int64_t out_row,
+                                          const int64_t *starts, const int64_t *lens, int64_t S, int64_t Hq,
+                                          int64_t Hkv, int64_t D, float scale) {
+    int64_t *first_task = malloc((size_t)(S + 1) * 8);
+    first_task[0] = 0;
+    for (int64_t s = 0; s < S; s++) first_task[s + 1] = first_task[s] + Hq * ((lens[s] + 15) / 16);
+    const int64_t tasks = first_task[S], group = Hq / Hkv, pairs = D / 2;
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY), scales = _mm512_set1_ps(scale);
+#pragma omp parallel
+    {
+        uint32_t *q_pairs = buffer((size_t)pairs * 64);
+        float *o = buffer((size_t)D * 64);
+        float *values = buffer((size_t)16 * D * 4);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t s = 0;
+            while (t >= first_task[s + 1]) s++;
+            const int64_t blocks = (lens[s] + 15) / 16, h = (t - first_task[s]) / blocks;
+            const int64_t qb = (t - first_task[s]) % blocks, hk = h / group, i0 = qb * 16, base = starts[s];
+            const int64_t rows = lens[s] - i0 < 16 ? lens[s] - i0 : 16;
+            for (int64_t dp = 0; dp < pairs; dp++)
+                for (int64_t r = 0; r < 16; r++) {
+                    uint32_t pair = 0;
+                    if (r < rows) memcpy(&pair, q + (base + i0 + r) * q_row + h * D + 2 * dp, 4);
+                    q_pairs[dp * 16 + r] = pair;
+                }
+            memset(o, 0, (size_t)D * 64);
+            __m512 row_max = neg_inf, row_sum = _mm512_setzero_ps();
+            for (int64_t kb = 0; kb <= qb; kb++) {
+                const int64_t j0 = kb * 16, cols = kb == qb ? rows : 16;
+                const uint16_t *keys = k + (base + j0) * k_row + hk * D;
+                __m512 score[16];
+                for (int c = 0; c < 16; c++) score[c] = _mm512_setzero_ps();
+                if (cols == 16) {
+                    for (int64_t dp = 0; dp < pairs; dp++) {
+                        const __m512bh qv = (__m512bh)_mm512_load_si512((const void *)(q_pairs + dp * 16));
+#pragma GCC unroll 16
+                        for (int c = 0; c < 16; c++) {
+                            int32_t pair;
+                            memcpy(&pair, keys + c * k_row + 2 * dp, 4);
+                            score[c] = _mm512_dpbf16_ps(score[c], (__m512bh)_mm512_set1_epi32(pair), qv);
+                        }
+                    }
+                } else {
+                    for (int64_t dp = 0; dp < pairs; dp++) {
+                        const __m512bh qv = (__m512bh)_mm512_load_si512((const void *)(q_pairs + dp * 16));
+                        for (int64_t c = 0; c < cols; c++) {
+                            int32_t pair;
+                            memcpy(&pair, keys + c * k_row + 2 * dp, 4);
+                            score[c] = _mm512_dpbf16_ps(score[c], (__m512bh)_mm512_set1_epi32(pair), qv);
+                        }
+                    }
+                }
+                __m512 block_max = row_max;
+                for (int64_t c = 0; c < cols; c++) {
+                    score[c] = _mm512_mul_ps(score[c], scales);
+                    if (kb == qb) /* key c is in the future of rows r < c */
+                        score[c] = _mm512_mask_mov_ps(score[c], (__mmask16)((1u << c) - 1), neg_inf);
+                    block_max = _mm512_max_ps(block_max, score[c]);
+                }
+                const __m512 correction = exp_ps(_mm512_sub_ps(row_max, block_max));
+                row_max = block_max;
+                row_sum = _mm512_mul_ps(row_sum, correction);
+                for (int64_t c = 0; c < cols; c++) {
+                    score[c] = exp_ps(_mm512_sub_ps(score[c], row_max));
+                    row_sum = _mm512_add_ps(row_sum, score[c]);
+                }
+                const uint16_t *vals = v + (base + j0) * v_row + hk * D;
+                for (int64_t c = 0; c < cols; c++)
+                    for (int64_t d = 0; d < D; d++) {
+                        const uint32_t bits = (uint32_t)vals[c * v_row + d] << 16;
+                        memcpy(values + c * D + d, &bits, 4);
+                    }
+                for (int64_t d = 0; d < D; d++) {
+                    __m512 acc = _mm512_mul_ps(_mm512_load_ps(o + d * 16), correction);
+                    for (int64_t c = 0; c < cols; c++)
+                        acc = _mm512_fmadd_ps(score[c], _mm512_set1_ps(values[c * D + d]), acc);
+                    _mm512_store_ps(o + d * 16, acc);
+                }
+            }
+            const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), row_sum);
+            for (int64_t d = 0; d < D; d++) _mm512_store_ps(o + d * 16, _mm512_mul_ps(_mm512_load_ps(o + d * 16), inverse));
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *orow = out + (base + i0 + r) * out_row + h * D;
+                for (int64_t d = 0; d < D; d++) orow[d] = bf16_round(o[d * 16 + r]);
+            }
+        }
+        free(q_pairs);
+        free(o);
+        free(values);
+    }
+    free(first_task);
 }

@@ -1,4 +1,4 @@
-"""The native CPU matmuls (paphos/quant/kernels/native_cpu.py) against exact products of the
+"""The native CPU matmuls (paphos/layers/native_cpu.py) against exact products of the
 weights they read, and the routes that choose them."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paphos.quant.kernels import int4pack_cpu, int8_group_cpu, native_cpu
+from paphos.layers import native_cpu
+from paphos.quant.kernels import int4pack_cpu, int8_group_cpu
 
 pytestmark = pytest.mark.skipif(not native_cpu.load(), reason="needs an x86 CPU with AVX512-BF16 and a C compiler")
 
@@ -91,3 +92,61 @@ def test_matmuls_route_several_rows_to_the_native_kernels() -> None:
 def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native_cpu.ENV_SWITCH, "0")
     assert native_cpu._open() is None
+
+
+def _whole_prompts(lens: list[int], heads: int, kv_heads: int, head_dim: int):
+    """q, k, v as views of one qkv projection (rows strided, as the models produce them), with a
+    row before, between and after the prompts that no prompt may read."""
+    total = sum(lens) + len(lens) + 1
+    gen = torch.Generator().manual_seed(sum(lens) + heads)
+    qkv = (torch.randn(total, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(torch.bfloat16)
+    q = qkv[:, : heads * head_dim].view(total, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(total, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(total, kv_heads, head_dim)
+    starts, row = [], 1
+    for n in lens:
+        starts.append(row)
+        row += n + 1
+    return q, k, v, starts
+
+
+@pytest.mark.parametrize(
+    ("lens", "heads", "kv_heads", "head_dim"),
+    [([70], 9, 3, 64), ([5, 17, 33, 1, 16], 4, 2, 32), ([40, 21], 8, 8, 128), ([3], 2, 1, 6)],
+)
+def test_prefill_attention_is_sdpa_per_prompt(lens: list[int], heads: int, kv_heads: int, head_dim: int) -> None:
+    q, k, v, starts = _whole_prompts(lens, heads, kv_heads, head_dim)
+    scale = head_dim**-0.5
+    out = torch.zeros(q.shape, dtype=torch.bfloat16)
+    native_cpu.prefill_attention(q, k, v, out, starts, lens, scale)
+    for start, n in zip(starts, lens, strict=True):
+        rows = slice(start, start + n)
+        reference = F.scaled_dot_product_attention(
+            *(t[rows].transpose(0, 1)[None].float() for t in (q, k, v)), is_causal=True, scale=scale, enable_gqa=True
+        )[0].transpose(0, 1)
+        # fp32 throughout, then the bf16 output's rounding.
+        assert (out[rows].float() - reference).abs().max() <= 2**-8 * reference.abs().max()
+    untouched = torch.ones(q.shape[0], dtype=torch.bool)
+    for start, n in zip(starts, lens, strict=True):
+        untouched[start : start + n] = False
+    assert not out[untouched].any()  # rows outside the prompts are not written
+
+
+def test_the_reference_backend_attends_whole_prompts_natively() -> None:
+    from paphos.attention.metadata import AttentionMetadata
+    from paphos.attention.torch_ref import TorchReferenceBackend
+
+    lens, heads, kv_heads, head_dim, block = [20, 9], 4, 2, 32, 16
+    q, k, v, _ = _whole_prompts(lens, heads, kv_heads, head_dim)
+    q, k, v = q[1:30].contiguous(), k[1:30].contiguous(), v[1:30].contiguous()
+    cache = torch.zeros(8, 2, block, kv_heads, head_dim, dtype=torch.bfloat16)
+    md = AttentionMetadata(
+        num_tokens=29, query_start_loc=torch.tensor([0, 20, 29]), seq_lens=torch.tensor(lens),
+        block_tables=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32), slot_mapping=torch.cat(
+            [torch.arange(16, 36), torch.arange(48, 57)]), max_query_len=20, max_seq_len=20,
+        query_start_loc_cpu=[0, 20, 29], seq_lens_cpu=lens,
+    )  # fmt: skip
+    native = TorchReferenceBackend().forward(q, k, v, cache.clone(), md, head_dim**-0.5)
+    with native_cpu.disabled():
+        sdpa = TorchReferenceBackend().forward(q, k, v, cache.clone(), md, head_dim**-0.5)
+    assert (native.float() - sdpa.float()).abs().max() <= 2**-7 * sdpa.float().abs().max()
