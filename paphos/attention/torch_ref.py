@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from paphos.attention.backend import Rotary, dequantize_kv, write_kv_cache
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers import native_cpu
+from paphos.native import cpu as native_cpu
 
 
 @dataclass

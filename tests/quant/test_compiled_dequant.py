@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from paphos.layers import native_cpu
+from paphos.native import cpu as native_cpu
 from paphos.quant.kernels import compiled_dequant, int4pack_cpu, int8_group_cpu
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paphos.layers import native_cpu
+from paphos.native import cpu as native_cpu
 from paphos.quant.gguf.base import (
     DequantizedAtLoadKernel,
     GGUFKernel,

@@ -27,7 +27,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from paphos.layers import native_cpu
+from paphos.native import cpu as native_cpu
 from paphos.quant.kernels import compiled_dequant
 
 # Rows from which unpack + GEMM beats int4pack: with the eager and with the compiled unpack.

@@ -10,7 +10,7 @@ Matmul, by caller:
     in fp32, which inductor turns into a single vectorized loop reading each code once (a 49152 x
     576 tied head on 2 cores: 1.8-2.1 ms against 3.2 ms for its bf16 copy and 2.7 ms for torch's
     int8 weight-only matmul run per group);
-  * several rows in bf16 on a CPU with AVX512-BF16 (native_cpu.py): blocks of 16 rows dequantized
+  * several rows in bf16 on a CPU with AVX512-BF16 (native/cpu.py): blocks of 16 rows dequantized
     into cache and multiplied there (the head at 16 rows: 2.9 ms of a decode step against 5.6 ms);
   * anything else (eager steps, several rows): row chunks dequantized to the activation dtype (by
     the compiled dequantizer when the decode step is compiled, compiled_dequant.py) and a GEMM,
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paphos.layers import native_cpu
+from paphos.native import cpu as native_cpu
 from paphos.quant.kernels import compiled_dequant
 
 CHUNK_ROWS = 8192  # rows dequantized at a time on the GEMM path (bounds its scratch memory)

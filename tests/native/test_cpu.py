@@ -1,4 +1,4 @@
-"""The native CPU matmuls (paphos/layers/native_cpu.py) against exact products of the
+"""The native CPU matmuls (paphos/native/cpu.py) against exact products of the
 weights they read, and the routes that choose them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paphos.layers import native_cpu
+from paphos.native import cpu as native_cpu
 from paphos.quant.kernels import int4pack_cpu, int8_group_cpu
 
 pytestmark = pytest.mark.skipif(not native_cpu.load(), reason="needs an x86 CPU with AVX512-BF16 and a C compiler")
@@ -150,3 +150,18 @@ def test_the_reference_backend_attends_whole_prompts_natively() -> None:
     with native_cpu.disabled():
         sdpa = TorchReferenceBackend().forward(q, k, v, cache.clone(), md, head_dim**-0.5)
     assert (native.float() - sdpa.float()).abs().max() <= 2**-7 * sdpa.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])
+def test_row_stats_are_torchs_in_float32(vocab: int, dtype: torch.dtype) -> None:
+    logits = (torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).to(dtype)
+    logits[1, vocab // 2] = logits[1].max() + 1  # a unique max in the middle
+    logits[2, : min(3, vocab)] = 30.0  # ties: the first index wins
+    logits[3, -1] = float("nan")
+    logits[4] = float("-inf")
+    top, first, lse = native_cpu.row_stats(logits)
+    raw = logits.float()
+    torch.testing.assert_close(top, raw.amax(-1), equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(first, raw.argmax(-1))
+    torch.testing.assert_close(lse, raw.logsumexp(-1), equal_nan=True, rtol=1e-6, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Native CPU kernels for bf16 models on x86 CPUs with AVX512-BF16 (cpu_tiles.c): packed-weight
+"""Native CPU kernels for bf16 models on x86 CPUs with AVX512-BF16 (cpu_kernels.c): packed-weight
 matmuls for several activation rows (the int8-group LM head and layers, the int4pack layers) and
 the causal attention of whole prompts.
 
@@ -41,7 +41,7 @@ from paphos.default_model import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_tiles.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "PAPHOS_CPU_TILES"
 INT8_GROUPS = (16, 32)
 # Rows from which the int4 kernel beats torch's int4pack matmul (SmolLM2's four layer shapes, 2
@@ -95,6 +95,7 @@ def _open() -> ctypes.CDLL | None:
     library.paphos_int4pack_mm.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
     library.paphos_prefill_attention.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64,
                                                  _I64, _I64, _I64, ctypes.c_float]  # fmt: skip
+    library.paphos_row_stats.argtypes = [_PTR, ctypes.c_int32, _I64, _I64, _I64, _PTR, _PTR, _PTR]
     return library
 
 
@@ -106,7 +107,7 @@ def _build() -> Path:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
     target_dir = default_cache_dir().parent / "native"
-    target = target_dir / f"cpu_tiles-{digest}.so"
+    target = target_dir / f"cpu_kernels-{digest}.so"
     if target.is_file():
         return target
     target_dir.mkdir(parents=True, exist_ok=True)
@@ -209,3 +210,24 @@ def prefill_attention(
         out.stride(0), starts_t.data_ptr(), lens_t.data_ptr(), len(starts), q.shape[1], k.shape[1], q.shape[2],
         scale,
     )
+
+
+def row_stats_supported(logits: torch.Tensor) -> bool:
+    return (
+        available()
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.bfloat16, torch.float32)
+        and logits.stride(1) == 1
+    )
+
+
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 or float32 logits [R, V] -> float32 max [R], int64 first argmax [R], float32 logsumexp [R], as
+    torch computes them in float32, in one pass per statistic over each row in cache."""
+    rows, vocab = logits.shape
+    top = torch.empty(rows, dtype=torch.float32)
+    first = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    _Loaded.library.paphos_row_stats(logits.data_ptr(), int(logits.dtype == torch.bfloat16), logits.stride(0), rows,
+                                     vocab, top.data_ptr(), first.data_ptr(), lse.data_ptr())  # fmt: skip
+    return top, first, lse

@@ -1,6 +1,6 @@
 /* Packed-weight matmuls for several activation rows on x86 CPUs with AVX512-BF16.
  *
- * Built and loaded by native_cpu.py; the weights stay in the layouts the rest of Paphos uses
+ * Built and loaded by native/cpu.py; the weights stay in the layouts the rest of Paphos uses
  * (int8_group_cpu.py, int4pack_cpu.py). Each thread takes blocks of 16 weight rows, dequantizes a
  * block once into a buffer that stays in L1/L2 (fp32 math, rounded to bf16 as the dense path's
  * dequantizer does), then multiplies it with every activation row by `vdpbf16ps` (bf16 pairs,
@@ -58,6 +58,7 @@ AVX512_BF16 void paphos_int8_group_mm(const int8_t *q, const float *scales, int6
     {
         uint16_t *w = buffer((size_t)16 * K * 2);
         float tile[16][16] __attribute__((aligned(64)));
+        const __m512i tile_columns = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < n_blocks; nb++) {
             const int64_t n0 = nb * 16, rows = N - n0 < 16 ? N - n0 : 16;
@@ -90,14 +91,16 @@ AVX512_BF16 void paphos_int8_group_mm(const int8_t *q, const float *scales, int6
                 }
                 for (int j = 0; j < 16; j++) _mm512_store_ps(tile[j], acc[j]);
                 const int64_t m0 = mb * 16, m_rows = M - m0 < 16 ? M - m0 : 16;
+                const __mmask16 columns = (__mmask16)((1u << rows) - 1);
                 for (int64_t i = 0; i < m_rows; i++) {
-                    if (y_is_bf16) {
-                        uint16_t *yr = (uint16_t *)y + (m0 + i) * N + n0;
-                        for (int64_t j = 0; j < rows; j++) yr[j] = bf16_round(tile[j][i]);
-                    } else {
-                        float *yr = (float *)y + (m0 + i) * N + n0;
-                        for (int64_t j = 0; j < rows; j++) yr[j] = tile[j][i];
-                    }
+                    /* Row i of y's block is column i of the tile. */
+                    const __m512 row = _mm512_i32gather_ps(_mm512_add_epi32(tile_columns, _mm512_set1_epi32((int)i)),
+                                                           &tile[0][0], 4);
+                    if (y_is_bf16)
+                        _mm256_mask_storeu_epi16((uint16_t *)y + (m0 + i) * N + n0, columns,
+                                                 (__m256i)_mm512_cvtneps_pbh(row));
+                    else
+                        _mm512_mask_storeu_ps((float *)y + (m0 + i) * N + n0, columns, row);
                 }
             }
         }
@@ -314,4 +317,65 @@ AVX512_BF16 void paphos_prefill_attention(const uint16_t *q, int64_t q_row, cons
         free(values);
     }
     free(first_task);
+}
+
+/* 16 values of a bf16 or float32 row as fp32 (lanes outside `lanes`: 0). */
+AVX512_BF16 static inline __m512 load_row(const void *x, int32_t is_bf16, int64_t at, __mmask16 lanes) {
+    if (!is_bf16) return _mm512_maskz_loadu_ps(lanes, (const float *)x + at);
+    const __m256i bits = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)x + at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* Per row of x [R, V] (bf16 or float32, rows `row` elements apart): the max, the first index holding it and
+ * the logsumexp, in fp32 (torch's amax / argmax / logsumexp of the row in float32). A row with a
+ * NaN gets NaN and the first NaN's index, as torch's do. */
+AVX512_BF16 void paphos_row_stats(const void *x, int32_t is_bf16, int64_t row, int64_t R, int64_t V, float *max_out,
+                                  int64_t *argmax_out, float *lse_out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        const char *xr = (const char *)x + r * row * (is_bf16 ? 2 : 4);
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        int64_t v = 0;
+        for (; v + 16 <= V; v += 16) {
+            const __m512 values = load_row(xr, is_bf16, v, 0xffff);
+            nan |= _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+            top = _mm512_max_ps(top, values);
+        }
+        const __mmask16 tail = (__mmask16)((1u << (V - v)) - 1);
+        if (tail) {
+            const __m512 values = load_row(xr, is_bf16, v, tail);
+            nan |= _mm512_mask_cmp_ps_mask(tail, values, values, _CMP_UNORD_Q);
+            top = _mm512_mask_max_ps(top, tail, top, values);
+        }
+        const float best = _mm512_reduce_max_ps(top);
+        const __m512 target = _mm512_set1_ps(best);
+        int64_t first = 0;
+        for (v = 0; v < V; v += 16) {
+            const __mmask16 lanes = V - v >= 16 ? 0xffff : (__mmask16)((1u << (V - v)) - 1);
+            const __m512 values = load_row(xr, is_bf16, v, lanes);
+            const __mmask16 hits = nan ? _mm512_mask_cmp_ps_mask(lanes, values, values, _CMP_UNORD_Q)
+                                       : _mm512_mask_cmp_ps_mask(lanes, values, target, _CMP_EQ_OQ);
+            if (hits) {
+                first = v + __builtin_ctz(hits);
+                break;
+            }
+        }
+        argmax_out[r] = first;
+        if (nan) {
+            max_out[r] = lse_out[r] = NAN;
+            continue;
+        }
+        max_out[r] = best;
+        if (best == -INFINITY || best == INFINITY) {
+            lse_out[r] = best;
+            continue;
+        }
+        __m512 sum = _mm512_setzero_ps();
+        for (v = 0; v < V; v += 16) {
+            const __mmask16 lanes = V - v >= 16 ? 0xffff : (__mmask16)((1u << (V - v)) - 1);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(lanes, exp_ps(_mm512_sub_ps(load_row(xr, is_bf16, v, lanes), target))));
+        }
+        lse_out[r] = best + logf(_mm512_reduce_add_ps(sum));
+    }
 }
