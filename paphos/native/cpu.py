@@ -17,7 +17,7 @@ call.
 
 The source is compiled once per machine by the system C compiler (the one inductor uses for the
 compiled decode step) into Paphos' cache directory, keyed by the source's hash. Without a
-compiler, on other CPUs, or with PAPHOS_CPU_TILES=0, `available()` is False and the callers keep
+compiler, on other CPUs, or with PAPHOS_NATIVE_CPU=0, `available()` is False and the callers keep
 their torch paths.
 """
 
@@ -42,10 +42,10 @@ from paphos.default_model import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ENV_SWITCH = "PAPHOS_CPU_TILES"
+ENV_SWITCH = "PAPHOS_NATIVE_CPU"
 INT8_GROUPS = (16, 32)
-# Rows from which the int4 kernel beats torch's int4pack matmul (SmolLM2's four layer shapes, 2
-# cores: at 4 rows 27-78 vs 16-51 us, at 8 even, at 16 153 vs 172 us for gate|up).
+# Rows from which the int4 kernel beats torch's int4pack matmul (SmolLM2's layer shapes, 2 cores:
+# at 4 rows 45 vs 43 us for gate|up, at 8 64 vs 84, at 16 98 vs 165).
 INT4_MIN_ROWS = 8
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -56,7 +56,7 @@ class _Loaded:
 
 
 def load() -> bool:
-    """Builds (once per machine) and opens the library; whether the native matmuls are usable.
+    """Builds (once per machine) and opens the library; whether the native kernels are usable.
     Called where packed weights are prepared, never inside a compiled graph."""
     if not _Loaded.tried:
         _Loaded.tried = True
@@ -75,7 +75,7 @@ def disabled() -> Iterator[None]:
 
 
 def available() -> bool:
-    """Whether `load()` found the native matmuls usable (a plain read: cheap inside a graph)."""
+    """Whether `load()` found the native kernels usable (a plain read: cheap inside a graph)."""
     return _Loaded.library is not None
 
 
@@ -85,11 +85,11 @@ def _open() -> ctypes.CDLL | None:
     try:
         path = _build()
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.info("native CPU matmuls not built (%s): using torch's", exc)
+        logger.info("native CPU kernels not built (%s): using torch's paths", exc)
         return None
     library = ctypes.CDLL(str(path))
     if not library.paphos_cpu_has_avx512_bf16():
-        logger.info("this CPU has no AVX512-BF16: the native CPU matmuls are off")
+        logger.info("this CPU has no AVX512-BF16: the native CPU kernels are off")
         return None
     library.paphos_int8_group_mm.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int32, _I64, _I64, _I64]
     library.paphos_int4pack_mm.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
@@ -118,7 +118,7 @@ def _build() -> Path:
         subprocess.run([compiler, "-O3", "-fPIC", "-shared", "-fopenmp", str(SOURCE), "-o", str(built)],
                        check=True, capture_output=True, timeout=300)  # fmt: skip
         os.replace(built, target)
-    logger.info("built the native CPU matmuls: %s", target)
+    logger.info("built the native CPU kernels: %s", target)
     return target
 
 

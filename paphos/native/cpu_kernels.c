@@ -109,15 +109,16 @@ AVX512_BF16 void paphos_int8_group_mm(const int8_t *q, const float *scales, int6
     free(x_pairs);
 }
 
-/* One block of up to 8 activation rows against a block of 16 int4 weight rows: per group, the
- * exact sums of x * (q - 8) (bf16 products, fp32 sums), then * scale + sum(x) * zero. */
+/* One block of up to 16 activation rows against a block of 16 int4 weight rows: per group, the
+ * exact sums of x * (q - 8) (bf16 products, fp32 sums, 16 independent accumulators to cover the
+ * latency of `vdpbf16ps`), then * scale + sum(x) * zero into the totals, kept in L1. */
 AVX512_BF16 static inline __attribute__((always_inline)) void int4_rows(
     const __m512i *codes, const __m512 *scale, const __m512 *zero, const uint16_t *x, const float *x_sums,
     uint16_t *y, int64_t rows, int64_t groups, int64_t group_pairs, int64_t N, int64_t K) {
-    __m512 acc[8], part[8];
-    for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+    __m512 acc[16] __attribute__((aligned(64))), part[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        for (int i = 0; i < 8; i++) part[i] = _mm512_setzero_ps();
+        for (int i = 0; i < 16; i++) part[i] = _mm512_setzero_ps();
         for (int64_t kp = g * group_pairs; kp < (g + 1) * group_pairs; kp++) {
             const __m512bh wv = (__m512bh)codes[kp];
             for (int64_t i = 0; i < rows; i++) {
@@ -182,13 +183,21 @@ AVX512_BF16 void paphos_int4pack_mm(const uint8_t *packed, const uint16_t *scale
                 if (sub >= 2) words = _mm512_srli_epi16(words, 4);
                 codes[kp] = _mm512_permutexvar_epi16(words, table); /* low 5 bits index it: both halves alike */
             }
+            /* Rows in blocks of 16, the rest in 8, 4, 2, 1: each a constant the compiler unrolls. */
             int64_t m0 = 0;
-            for (; m0 + 8 <= M; m0 += 8)
-                int4_rows(codes, scale, zero, x + m0 * K, x_sums + m0 * groups, y + m0 * N + n0, 8, groups,
-                          group / 2, N, K);
-            if (m0 < M)
-                int4_rows(codes, scale, zero, x + m0 * K, x_sums + m0 * groups, y + m0 * N + n0, M - m0, groups,
-                          group / 2, N, K);
+            for (int64_t block = 16; block >= 1; block /= 2)
+                for (; m0 + block <= M; m0 += block) {
+                    const uint16_t *xb = x + m0 * K;
+                    const float *sb = x_sums + m0 * groups;
+                    uint16_t *yb = y + m0 * N + n0;
+                    switch (block) {
+                    case 16: int4_rows(codes, scale, zero, xb, sb, yb, 16, groups, group / 2, N, K); break;
+                    case 8: int4_rows(codes, scale, zero, xb, sb, yb, 8, groups, group / 2, N, K); break;
+                    case 4: int4_rows(codes, scale, zero, xb, sb, yb, 4, groups, group / 2, N, K); break;
+                    case 2: int4_rows(codes, scale, zero, xb, sb, yb, 2, groups, group / 2, N, K); break;
+                    default: int4_rows(codes, scale, zero, xb, sb, yb, 1, groups, group / 2, N, K);
+                    }
+                }
         }
         free(codes);
         free(scale);

@@ -7,14 +7,14 @@ scales are rounded to bf16: ~2^-9 relative, far below the 4-bit step). Memory: K
 per group per row. Per-call dequantization would cost several times the matmul it feeds on the
 CPU, and a bf16 weight four times the memory traffic of the packed one, so decode stays packed.
 
-Several rows (2 up to a few hundred) go to native_cpu's kernel where the CPU has AVX512-BF16: it
-reads this same layout, turns each block of 16 rows into bf16 codes in cache and sums exact
-products per group (at 16 rows: gate|up 3072 x 576 124 us against int4pack's 161; one SmolLM2
-layer's four weights 0.40 ms at 32 rows against 1.52 ms for unpack + GEMM, 2.60 vs 2.93 ms at 256).
-Long prefill chunks unpack the weight to bf16 and run a dense GEMM, which amortises the unpacking
-over its rows: 512 rows 4.85 ms a layer against the native 5.16 ms. Without the native kernel, that
-pays from 128 rows with the compiled unpack (compiled_dequant.py; 4.7 vs 5.4 ms for int4pack) and
-from 768 with the eager one (15 ms a layer), int4pack's matmul taking the rest. Unpacking
+Several rows (2 up to a few hundred) go to native/cpu.py's kernel where the CPU has AVX512-BF16:
+it reads this same layout, turns each block of 16 rows into bf16 codes in cache and sums exact
+products per group (at 16 rows: gate|up 3072 x 576 98 us against int4pack's 165; one SmolLM2
+layer's four weights at 256 rows 2.55 ms against 3.08 ms for unpack + GEMM). Long prefill chunks
+unpack the weight to bf16 and run a dense GEMM, which amortises the unpacking over its rows: 512
+rows 4.90 ms a layer against the native 5.00 ms (the two meet near 400). Without the native
+kernel, that pays from 128 rows with the compiled unpack (compiled_dequant.py; 4.7 vs 5.4 ms for
+int4pack) and from 768 with the eager one (15 ms a layer), int4pack's matmul taking the rest. Unpacking
 reads torch's packed layout (64-row tiles: byte [tile, k, i] holds row i in its low nibble and
 row i + 32 in its high one), checked once per process against the packer itself; if a torch
 version packs differently, several rows simply stay on int4pack.
@@ -33,13 +33,13 @@ from paphos.quant.kernels import compiled_dequant
 # Rows from which unpack + GEMM beats int4pack: with the eager and with the compiled unpack.
 DENSE_MIN_TOKENS = 768
 DENSE_MIN_TOKENS_COMPILED = 128
-DENSE_MIN_TOKENS_OVER_NATIVE = 384  # with native_cpu's kernel below it (compiled unpack only)
+DENSE_MIN_TOKENS_OVER_NATIVE = 384  # with the native kernel below it (compiled unpack only)
 TILE = 64  # output rows per tile of the packed layout
 GROUP_SIZES = (32, 64, 128, 256)
 
 
 class _Native:
-    """Whether native_cpu's int4 kernel may run here: set where weights are packed (outside any
+    """Whether the native int4 kernel may run here: set where weights are packed (outside any
     graph), as it reads the layout `_layout_known` checks."""
 
     ready = False
@@ -73,7 +73,7 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, grou
     if compiled_dequant.is_enabled():
         dense_from = DENSE_MIN_TOKENS_OVER_NATIVE if native else DENSE_MIN_TOKENS_COMPILED
     else:
-        dense_from = None if native else DENSE_MIN_TOKENS  # the eager unpack never beats native_cpu
+        dense_from = None if native else DENSE_MIN_TOKENS  # the eager unpack never beats the native kernel
     if dense_from is not None and rows >= dense_from and packed.shape[0] % TILE == 0 and _layout_known():
         y = F.linear(xb, compiled_dequant.dequantize(unpack, packed, scale_zero, group_size))
     elif native:
