@@ -6,6 +6,7 @@ the dequantize-at-load path, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from paphos.loader import GGUFCheckpoint
 from paphos.loader.gguf_reader import GGUFTensor
 from paphos.loader.source import raw_tensor_names
 from paphos.models.registry import resolve_model_class
+from paphos.native import cpu as native_cpu
 from paphos.quant.gguf import GGUFLinearMethod, GGUFQuantConfig
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import (
@@ -71,9 +73,11 @@ def test_int4pack_kernel_for_q4_shards_in_bf16() -> None:
     assert layer.weight.numel() == 0  # raw blocks freed after packing
     packed = layer.gguf_int4.numel() + layer.gguf_scale_zero.numel() * 2
     assert packed == w.shape[0] * (HIDDEN // 2 + HIDDEN // 32 * 4)  # Q4_1's size
-    for rows in (1, 7, int4pack_cpu.DENSE_MIN_TOKENS):  # the last: unpack + dense GEMM
+    # 1 and 7 rows: int4pack; many: the native kernel where the CPU has one, else unpack + GEMM.
+    for rows, native in ((1, True), (7, True), (int4pack_cpu.DENSE_MIN_TOKENS, True), (int4pack_cpu.DENSE_MIN_TOKENS, False)):
         x = _x(torch.bfloat16, rows)
-        y = layer(x)
+        with contextlib.nullcontext() if native else native_cpu.disabled():
+            y = layer(x)
         ref = F.linear(x.float(), w)
         assert y.dtype == torch.bfloat16
         # bf16 activations, scales rounded fp16 -> bf16, bf16 output.
