@@ -4,10 +4,11 @@ Data flow: model runner -> model -> attention layer -> here. Two jobs:
   * the oracle that Triton kernels are tested against, so every step is a readable tensor op;
   * the CPU serving path, so nothing loops per token in Python. Per step (the plan is built once
     from the host copies in `AttentionMetadata` and reused by every layer):
-      - decode rows (query_len 1) are attended together: their contexts are gathered from the
-        block tables into a padded [B, L, Hkv, D] tensor with a length mask, then SDPA with GQA
-        (no K/V duplication); inside the compiled CPU decode step, two reductions that inductor
-        fuses with the gather instead (`_attend_decode_reduced`, twice as fast there);
+      - decode rows (query_len 1) are attended together: with the native CPU kernels (bf16, no
+        window or soft cap) in one call that reads the paged cache directly; otherwise their
+        contexts are gathered from the block tables into a padded [B, L, Hkv, D] tensor with a
+        length mask, then SDPA with GQA (no K/V duplication); inside the compiled CPU decode step,
+        two reductions that inductor fuses with the gather instead (`_attend_decode_reduced`);
       - prefill chunks are attended one sequence at a time with
         `torch.nn.functional.scaled_dot_product_attention` (or the matmul path when soft-capping).
 All score/softmax/value math runs in fp32 whatever the cache dtype; the result is cast back.
@@ -190,6 +191,10 @@ class TorchReferenceBackend:
     ) -> torch.Tensor:
         """q [b, Hq, D], one query per sequence at position seq_len - 1; seq_lens long [b],
         block_tables long [b, blocks] -> [b, Hq, D] in q's dtype."""
+        if sliding_window is None and soft_cap is None and native_cpu.decode_attention_supported(q, kv_cache):
+            # Straight from the paged cache, no gather: 16 sequences of 128 tokens (SmolLM2, 2
+            # cores) 22 us a layer against 82 us for the reductions below inside the compiled step.
+            return native_cpu.decode_attention(q, kv_cache, block_tables, seq_lens, scale)
         b = q.shape[0]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         length = block_tables.shape[1] * block_size

@@ -328,6 +328,151 @@ AVX512_BF16 void paphos_prefill_attention(const uint16_t *q, int64_t q_row, cons
     free(first_task);
 }
 
+/* Lane t of the result is the sum of the 16 lanes of v[t]: a transposing tree of adds (8 + 4 + 2 + 1
+ * vector adds, each of two shuffles), lanes in a fixed order that one permutation puts right. */
+AVX512_BF16 static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* [v_i's 8 partial sums | v_{i+8}'s] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit chunks of 4 partial sums: tokens i, i + 8, i + 4, i + 12 */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++) /* per chunk, 2 partial sums of x_i's token and 2 of x_{i+2}'s, interleaved */
+        y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[i], x[i + 2]), _mm512_unpackhi_ps(x[i], x[i + 2]));
+    /* per chunk, the totals of x_0's, x_2's, x_1's and x_3's tokens */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x44), _mm512_shuffle_ps(y[0], y[1], 0xEE));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0), z);
+}
+
+/* One query head's scaled scores against up to 16 keys (rows[i] + offset, i < n; the other lanes
+ * -inf), qh's D = 32 * chunks values. Inlined with constant chunks and n so that the 16 sums stay
+ * in registers. */
+AVX512_BF16 static inline __attribute__((always_inline)) __m512 key_scores(const uint16_t *const *rows, int64_t offset,
+                                                                        const uint16_t *qh, int64_t chunks, int64_t n,
+                                                                        __m512 scale) {
+    __m512bh qv[8];
+    for (int64_t c = 0; c < chunks; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(qh + 32 * c));
+    __m512 dots[16];
+    for (int64_t i = 0; i < 16; i++) {
+        __m512 acc = _mm512_setzero_ps();
+        if (i < n)
+            for (int64_t c = 0; c < chunks; c++)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(rows[i] + offset + 32 * c)), qv[c]);
+        dots[i] = acc;
+    }
+    return _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << n) - 1), sum_lanes16(dots), scale);
+}
+
+/* Scores of one query head (qh) against the keys rows[j] + offset, j < len, into dst (16-aligned,
+ * padded to a multiple of 16); their max. */
+AVX512_BF16 static inline __attribute__((always_inline)) float head_scores(const uint16_t *const *rows, int64_t offset,
+                                                                        int64_t len, const uint16_t *qh,
+                                                                        int64_t chunks, __m512 scale, float *dst) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    int64_t j0 = 0;
+    for (; j0 + 16 <= len; j0 += 16) {
+        const __m512 s = key_scores(rows + j0, offset, qh, chunks, 16, scale);
+        _mm512_store_ps(dst + j0, s);
+        top = _mm512_max_ps(top, s);
+    }
+    if (j0 < len) {
+        const __m512 s = key_scores(rows + j0, offset, qh, chunks, len - j0, scale);
+        _mm512_store_ps(dst + j0, s);
+        top = _mm512_max_ps(top, s);
+    }
+    return _mm512_reduce_max_ps(top);
+}
+
+/* out[g] (bf16, D values, heads D apart) = sum over j < len of probs[g * padded + j] * value row j
+ * (rows[j] + offset), for the `group` query heads of a KV head, 32 dimensions a pass: each value
+ * load serves every head. Inlined with a constant group so that the sums stay in registers. */
+AVX512_BF16 static inline __attribute__((always_inline)) void value_sums(const uint16_t *const *rows, int64_t offset,
+                                                                      int64_t len, const float *probs, int64_t padded,
+                                                                      int64_t group, int64_t D, uint16_t *out) {
+    for (int64_t d = 0; d < D; d += 32) {
+        __m512 lo[16], hi[16];
+        for (int64_t g = 0; g < group; g++) lo[g] = hi[g] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < len; j++) {
+            const uint16_t *v = rows[j] + offset + d;
+            const __m512 a = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)v));
+            const __m512 b = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(v + 16)));
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 p = _mm512_set1_ps(probs[g * padded + j]);
+                lo[g] = _mm512_fmadd_ps(p, a, lo[g]);
+                hi[g] = _mm512_fmadd_ps(p, b, hi[g]);
+            }
+        }
+        for (int64_t g = 0; g < group; g++)
+            _mm512_storeu_si512((void *)(out + g * D + d), (__m512i)_mm512_cvtne2ps_pbh(hi[g], lo[g]));
+    }
+}
+
+/* Decode attention over the paged cache: one query row per sequence, attending to the sequence's
+ * seq_lens[b] cached tokens. q [B, Hq, D] bf16 (rows q_row elements apart, heads contiguous);
+ * cache [blocks, 2, block_size, Hkv, D] bf16 (keys at 0, values at 1); block_tables int32 [B,
+ * table_row]; out [B, Hq, D] bf16 (rows out_row apart). D a multiple of 32, at most 256; at most
+ * 16 query heads per KV head.
+ *
+ * A task is one sequence's KV head and its Hq / Hkv query heads. Scores: each key row times the
+ * query by `vdpbf16ps` (exact bf16 products, fp32 sums), 16 keys' vectors reduced at once
+ * (`sum_lanes16`); then softmax in fp32 and the values summed in fp32, every query head of the
+ * group from the same value load. */
+AVX512_BF16 void paphos_decode_attention(const uint16_t *q, int64_t q_row, const uint16_t *cache, int64_t block_size,
+                                         const int32_t *block_tables, int64_t table_row, const int32_t *seq_lens,
+                                         uint16_t *out, int64_t out_row, int64_t B, int64_t Hq, int64_t Hkv,
+                                         int64_t D, float scale) {
+    const int64_t group = Hq / Hkv, chunks = D / 32, token_stride = Hkv * D, value_offset = block_size * token_stride;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    const int64_t padded = (longest + 15) / 16 * 16;
+    const __m512 scales = _mm512_set1_ps(scale);
+#pragma omp parallel
+    {
+        float *probs = buffer((size_t)(group * padded + 1) * 4);
+        const uint16_t **rows = buffer((size_t)(padded + 1) * sizeof(*rows));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * Hkv; t++) {
+            const int64_t b = t / Hkv, hk = t % Hkv, len = seq_lens[b];
+            const int32_t *table = block_tables + b * table_row;
+            for (int64_t j = 0; j < len; j++)
+                rows[j] = cache + ((int64_t)table[j / block_size] * 2 * block_size + j % block_size) * token_stride + hk * D;
+            for (int64_t g = 0; g < group; g++) {
+                const uint16_t *qh = q + b * q_row + (hk * group + g) * D;
+                float *pg = probs + g * padded;
+                float top;
+                switch (chunks) {
+                case 2: top = head_scores(rows, 0, len, qh, 2, scales, pg); break;
+                case 4: top = head_scores(rows, 0, len, qh, 4, scales, pg); break;
+                default: top = head_scores(rows, 0, len, qh, chunks, scales, pg);
+                }
+                const __m512 target = _mm512_set1_ps(top);
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j0 = 0; j0 < len; j0 += 16) {
+                    const __mmask16 valid = len - j0 >= 16 ? 0xffff : (__mmask16)((1u << (len - j0)) - 1);
+                    const __m512 e = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(_mm512_load_ps(pg + j0), target)));
+                    _mm512_store_ps(pg + j0, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+                for (int64_t j0 = 0; j0 < len; j0 += 16) _mm512_store_ps(pg + j0, _mm512_mul_ps(_mm512_load_ps(pg + j0), inverse));
+            }
+            uint16_t *o = out + b * out_row + hk * group * D;
+            switch (group) {
+            case 1: value_sums(rows, value_offset, len, probs, padded, 1, D, o); break;
+            case 2: value_sums(rows, value_offset, len, probs, padded, 2, D, o); break;
+            case 3: value_sums(rows, value_offset, len, probs, padded, 3, D, o); break;
+            case 4: value_sums(rows, value_offset, len, probs, padded, 4, D, o); break;
+            case 5: value_sums(rows, value_offset, len, probs, padded, 5, D, o); break;
+            case 6: value_sums(rows, value_offset, len, probs, padded, 6, D, o); break;
+            case 7: value_sums(rows, value_offset, len, probs, padded, 7, D, o); break;
+            case 8: value_sums(rows, value_offset, len, probs, padded, 8, D, o); break;
+            default: value_sums(rows, value_offset, len, probs, padded, group, D, o);
+            }
+        }
+        free(probs);
+        free(rows);
+    }
+}
+
 /* 16 values of a bf16 or float32 row as fp32 (lanes outside `lanes`: 0). */
 AVX512_BF16 static inline __m512 load_row(const void *x, int32_t is_bf16, int64_t at, __mmask16 lanes) {
     if (!is_bf16) return _mm512_maskz_loadu_ps(lanes, (const float *)x + at);

@@ -165,3 +165,126 @@ def test_row_stats_are_torchs_in_float32(vocab: int, dtype: torch.dtype) -> None
     torch.testing.assert_close(top, raw.amax(-1), equal_nan=True, rtol=0, atol=0)
     assert torch.equal(first, raw.argmax(-1))
     torch.testing.assert_close(lse, raw.logsumexp(-1), equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+def _paged_context(lens: list[int], heads: int, kv_heads: int, head_dim: int, block: int, seed: int = 0):
+    """q [B, Hq, D] and a cache of shuffled blocks holding each sequence's keys and values, every
+    slot no sequence owns (past seq_len in its last block, spare blocks, the tables' padding
+    entries) NaN; per sequence its keys and values [n, Hkv, D]."""
+    gen = torch.Generator().manual_seed(seed + sum(lens) + heads + head_dim + block)
+    owned = [-(-n // block) for n in lens]
+    num_blocks = sum(owned) + 3
+    cache = torch.full((num_blocks, 2, block, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=gen)
+    # Tables one entry wider than the longest needs, padded with a spare (NaN) block.
+    tables = torch.full((len(lens), max(owned) + 1), int(order[-1]), dtype=torch.int32)
+    contexts, at = [], 0
+    for b, (n, m) in enumerate(zip(lens, owned, strict=True)):
+        blocks = order[at : at + m]
+        at += m
+        tables[b, :m] = blocks.to(torch.int32)
+        kv = (torch.randn(2, n, kv_heads, head_dim, generator=gen) * 2).to(torch.bfloat16)
+        padded = torch.full((2, m * block, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+        padded[:, :n] = kv
+        cache[blocks] = padded.view(2, m, block, kv_heads, head_dim).transpose(0, 1)
+        contexts.append(kv)
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 2).to(torch.bfloat16)
+    return q, cache, tables, torch.tensor(lens, dtype=torch.int32), contexts
+
+
+def _decode_reference(q: torch.Tensor, contexts: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """float64 SDPA of each row of q over its sequence's (exact bf16) keys and values -> [B, Hq, D]."""
+    return torch.stack([
+        F.scaled_dot_product_attention(
+            q[b, :, None].double()[None], *(t.transpose(0, 1).double()[None] for t in kv), scale=scale,
+            enable_gqa=True,
+        )[0, :, 0]
+        for b, kv in enumerate(contexts)
+    ])  # fmt: skip
+
+
+DECODE_LENS = [17, 1, 300, 16, 100, 15, 33]
+
+
+@pytest.mark.parametrize("block", [8, 16, 32])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (32, 8, 128), (8, 8, 256), (16, 1, 32), (12, 4, 96), (10, 2, 160)],
+)
+def test_decode_attention_is_sdpa_over_the_paged_context(heads: int, kv_heads: int, head_dim: int, block: int) -> None:
+    q, cache, tables, seq_lens, contexts = _paged_context(DECODE_LENS, heads, kv_heads, head_dim, block)
+    assert native_cpu.decode_attention_supported(q, cache)
+    scale = head_dim**-0.5
+    out = native_cpu.decode_attention(q, cache, tables, seq_lens, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    # Every slot past seq_len is NaN: a finite output is one that never read past it.
+    assert out.isfinite().all()
+    reference = _decode_reference(q, contexts, scale)
+    # Exact bf16 inputs and products, fp32 softmax and sums, then one rounding of each output
+    # value to bf16 (at most 2**-8 of it); 1e-5 for the fp32 arithmetic (seen: under 1e-6).
+    excess = (out.double() - reference).abs() - 2**-8 * reference.abs()
+    for b, n in enumerate(DECODE_LENS):
+        assert excess[b].max() <= 1e-5, (b, n, float(excess[b].max()))
+
+
+def test_decode_attention_takes_int64_tables_and_strided_queries() -> None:
+    heads, kv_heads, head_dim = 8, 2, 64
+    _, cache, tables, seq_lens, _ = _paged_context([5, 40, 16], heads, kv_heads, head_dim, 16, seed=1)
+    wide = (torch.randn(3, 2 * heads, head_dim, generator=torch.Generator().manual_seed(1)) * 2).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    for q in (
+        wide[:, heads:],  # rows 2 * Hq * D apart, heads contiguous: read in place
+        wide[:, ::2],  # every other head
+        wide[:, :heads].transpose(0, 1).contiguous().transpose(0, 1),  # rows D apart, heads B * D
+    ):
+        assert not q.is_contiguous()
+        expected = native_cpu.decode_attention(q.contiguous(), cache, tables, seq_lens, scale)
+        assert expected.isfinite().all()
+        assert torch.equal(native_cpu.decode_attention(q, cache, tables.long(), seq_lens.long(), scale), expected)
+
+
+def test_decode_attention_compiles_into_a_graph() -> None:
+    q, cache, tables, seq_lens, _ = _paged_context([3, 20], 4, 2, 32, 8, seed=2)
+
+    def step(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        return native_cpu.decode_attention(q * 1, cache, tables, seq_lens + 0, 32**-0.5).float() * 2
+
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(q, cache, tables, seq_lens), step(q, cache, tables, seq_lens))
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    kernel = native_cpu.decode_attention
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(native_cpu, "decode_attention", counting)
+    return calls
+
+
+def test_the_reference_backend_decodes_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paphos.attention.torch_ref import TorchReferenceBackend
+
+    heads, kv_heads, head_dim = 8, 2, 64
+    q, cache, tables, seq_lens, _ = _paged_context([1, 17, 70, 32], heads, kv_heads, head_dim, 16, seed=3)
+    # The torch path masks the slots past seq_len but multiplies their values by 0: no NaN there.
+    cache = cache.nan_to_num(0.0)
+    scale = head_dim**-0.5
+    calls = _counted(monkeypatch)
+    backend = TorchReferenceBackend()
+    native = backend._attend_decode(q, cache, seq_lens.long(), tables.long(), scale, None, None)
+    assert calls[0] == 1
+    with native_cpu.disabled():
+        torch_path = backend._attend_decode(q, cache, seq_lens.long(), tables.long(), scale, None, None)
+    assert calls[0] == 1
+    assert native.dtype == torch_path.dtype == torch.bfloat16
+    # Two outputs in fp32 each rounded once to bf16.
+    assert (native.float() - torch_path.float()).abs().max() <= 2**-7 * torch_path.float().abs().max()
+
+    for window, cap in ((8, None), (None, 30.0)):
+        out = backend._attend_decode(q, cache, seq_lens.long(), tables.long(), scale, window, cap)
+        assert out.isfinite().all()
+    assert calls[0] == 1  # a sliding window or a soft cap keeps the torch path
