@@ -295,46 +295,52 @@ def _share(result: dict[str, Any]) -> str:
 
 
 def comparison_table(results: dict[str, list[dict[str, Any]]], concurrency: list[int]) -> str:
-    """One row per metric, one column per server: median over the rounds (lowest-highest)."""
+    """One row per metric, one column per server: median over the rounds (lowest-highest). With
+    two servers, the rates also get the first's over the second's within each round (the two ran
+    minutes apart, so the machine's drift mostly cancels), median (lowest-highest) of the rounds."""
     names = list(results)
-    rows: list[tuple[str, list[str]]] = []
 
-    def cell(values: list[Any]) -> str:
+    def cell(values: list[Any], digits: int = 1) -> str:
         values = [v for v in values if v is not None and not (isinstance(v, float) and v != v)]
         if not values:
             return "-"
         if len(values) == 1:
-            return f"{values[0]:.1f}"
-        return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+            return f"{values[0]:.{digits}f}"
+        return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
-    def per_round(name: str, get: Any) -> list[Any]:
-        return [get(r) for r in results[name]]
-
+    # (label, per server its value in each round, whether the row is a rate)
+    metrics: list[tuple[str, list[list[Any]], bool]] = []
     for c in concurrency:
-        for label, get in (
-            ("output tok/s", lambda s: s["output_throughput"]),
-            ("req/s", lambda s: s["request_throughput"]),
-            ("mean TTFT ms", lambda s: s["ttft_ms"]["mean"]),
-            ("mean TPOT ms", lambda s: s["tpot_ms"]["mean"]),
-            ("p99 ITL ms", lambda s: s["itl_ms"]["p99"]),
-            ("mean E2E ms", lambda s: s["e2e_ms"]["mean"]),
+        for label, get, rate in (
+            ("output tok/s", lambda s: s["output_throughput"], True),
+            ("req/s", lambda s: s["request_throughput"], True),
+            ("mean TTFT ms", lambda s: s["ttft_ms"]["mean"], False),
+            ("mean TPOT ms", lambda s: s["tpot_ms"]["mean"], False),
+            ("p99 ITL ms", lambda s: s["itl_ms"]["p99"], False),
+            ("mean E2E ms", lambda s: s["e2e_ms"]["mean"], False),
         ):
-            rows.append((
-                f"c={c:<3d} {label}",
-                [cell(per_round(n, lambda r, get=get, c=c: get(r["serving"][str(c)]))) for n in names],
-            ))  # fmt: skip
-    for label, key in (("single-stream decode tok/s", "decode_tok_s"), ("single-stream prefill tok/s", "prefill_tok_s"),
-                       ("startup s", "startup_s")):  # fmt: skip
-        rows.append((label, [cell(per_round(n, lambda r, key=key: r.get(key))) for n in names]))
+            metrics.append((f"c={c:<3d} {label}", [[get(r["serving"][str(c)]) for r in results[n]] for n in names], rate))
+    for label, key, rate in (("single-stream decode tok/s", "decode_tok_s", True),
+                             ("single-stream prefill tok/s", "prefill_tok_s", True), ("startup s", "startup_s", False)):  # fmt: skip
+        metrics.append((label, [[r.get(key) for r in results[n]] for n in names], rate))
+    rows = [(label, [cell(v) for v in values], rate, values) for label, values, rate in metrics]
     rows.append(("CPU used by other processes", [
-        cell([100 * s for s in per_round(n, lambda r: r.get("other_cpu_share")) if s is not None]) + " %"
+        cell([100 * r["other_cpu_share"] for r in results[n] if r.get("other_cpu_share") is not None]) + " %"
         for n in names
-    ]))  # fmt: skip
+    ], False, []))  # fmt: skip
+    header = list(names)
+    if len(names) == 2:
+        header.append(f"{names[0]} / {names[1]}")
+        rows = [
+            (label, [*cells, cell([a / b for a, b in zip(*values, strict=False) if a and b], 2) + " x" if rate else "-"],
+             rate, values)
+            for label, cells, rate, values in rows
+        ]  # fmt: skip
     width = max(len(r[0]) for r in rows) + 2
-    col = max(24, *(len(n) + 2 for n in names))
-    lines = [f"{'metric':<{width}}" + "".join(f"{n:>{col}}" for n in names)]
-    lines.append("-" * (width + col * len(names)))
-    lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in vals) for label, vals in rows]
+    col = max(24, *(len(n) + 2 for n in header))
+    lines = [f"{'metric':<{width}}" + "".join(f"{n:>{col}}" for n in header)]
+    lines.append("-" * (width + col * len(header)))
+    lines += [f"{label:<{width}}" + "".join(f"{v:>{col}}" for v in cells) for label, cells, _, _ in rows]
     return "\n".join(lines)
 
 
@@ -352,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--prompts-per-slot", type=int, default=2, help="requests per level = this x concurrency")
+    # 4 waves at 16 streams: with 2, one level lasted ~3.5 s and its figure moved by a quarter between rounds
+    ap.add_argument("--prompts-per-slot", type=int, default=4, help="requests per level = this x concurrency")
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--decode-len", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
