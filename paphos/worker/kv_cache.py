@@ -2,10 +2,16 @@
 
 The number of blocks comes from a memory budget (CPU: `--cpu-kv-cache-gb`), or a forced count.
 Block 0 is the reserved null block (padding in block tables points there).
+
+The cache starts zeroed (the gathering attention paths multiply masked slots by zero weights, and
+0 * NaN would leak). On the CPU it lives in one anonymous memory map, which the kernel zero-fills
+page by page on first write: the default 4 GiB budget took ~5 s of `torch.zeros` at every start
+on two cores and was resident from the start; now a page costs memory once a block uses it.
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -35,4 +41,10 @@ def allocate_kv_caches(
     spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device
 ) -> list[torch.Tensor]:
     shape = (num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    element = torch.empty((), dtype=spec.dtype).element_size()
+    nbytes = spec.num_layers * num_blocks * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
+    # the tensor keeps the map alive (torch.frombuffer holds a reference to it)
+    pages = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    return list(pages.view(spec.dtype).view(spec.num_layers, *shape).unbind(0))
