@@ -69,9 +69,16 @@ def test_pack_keeps_the_bytes_and_the_values(te, k: int) -> None:  # noqa: ANN00
     assert torch.equal(te.reference_weight(planes), weight)
     checkpoint = sum(t.numel() * t.element_size() for enc, _ in shards for t in enc.tensors.values())
     runs = -(-k // 32)
-    # the run table (8 bytes per 32 inputs) replaces q_groups; everything else keeps its bytes
+    # the run table (8 bytes per 32 inputs) replaces q_groups; a short last run is padded to
+    # `bits` words; everything else keeps its bytes
     q_groups = sum(enc.tensors["q_groups"].numel() * 2 for enc, _ in shards)
-    assert planes.nbytes() == checkpoint - q_groups + 3 * runs * 8 + 3 * 8 * 4 + planes.tiles.numel() * 4
+    padding = 0
+    for (enc, _), shard_runs in zip(shards, planes.runs.tolist(), strict=True):
+        bits = shard_runs[-1][1] & 15
+        padding += (bits - -(-(k % 32 or 32) * bits // 32)) * enc.tensors["q_weight"].shape[1] * 4
+    assert (padding > 0) == (k % 32 != 0)
+    expected = checkpoint - q_groups + padding + 3 * runs * 8 + 3 * 8 * 4 + planes.tiles.numel() * 4
+    assert planes.nbytes() == expected
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -115,7 +122,8 @@ def test_gemv_matches_reference(te, k: int) -> None:  # noqa: ANN001
         ref = x.double() @ weight.double().t()
         got = te.gemv(x, planes, split=split)
         assert got.shape == (m, 136) and got.dtype == torch.float32
-        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, split)
+        # x to ~15 bits and the weights unrounded (within 2**-12 of their fp16 values): 1.5-3e-4
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3, (m, split)
         assert not counters.any()
 
 
@@ -157,7 +165,8 @@ def test_linear_method_runs_the_kernels(te, monkeypatch: pytest.MonkeyPatch) -> 
     x = torch.randn(2, 3, 64, generator=gen)
     got = layer(x)
     assert got.shape == (2, 3, 128)
-    torch.testing.assert_close(got, x @ weight.t(), rtol=0, atol=1e-5)
+    ref = x @ weight.t()
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3  # the GEMV's numerics (test above)
     assert config.summary() == ["Using EXL2 kernels for 1 layers"]
 
 
@@ -193,18 +202,18 @@ def test_exl2_kernels_compile_for_sm90(triton_path: Path | None) -> None:
 _TABLES = {"w_ptr": "*i32", "s_ptr": "*i32", "m_ptr": "*fp16", "run_ptr": "*i32"}
 
 
-def _gemv(mp: int, split: bool, even_k: bool) -> None:
-    """A Llama-3-8B o_proj's launch (4096 x 4096; K = 4080 for the short last run)."""
+def _gemv(mp: int, split: bool) -> None:
+    """A Llama-3-8B o_proj's launch (4096 x 4096)."""
     from paphos.quant.kernels import triton_exl2 as te
 
-    args = {"xg_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", **_TABLES,
+    args = {"xq_ptr": "*i32", "xf_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", **_TABLES,
             "meta_ptr": "*i32", "tile_ptr": "*i32"}  # fmt: skip
     ints = dict(M=mp, N=4096, n_runs=128, runs_per_split=4)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=256, MP=mp, SPLIT=split, EVEN_K=even_k, ASM=True, PDL=True)
+    constexprs = dict(BN=256, MP=mp, SPLIT=split, ASM=True, PDL=True)
     ptx = compile_sm90(te._gemv_kernel, args, constexprs, 2, ints)
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
-    assert "cvt.rn.f16.f32" in ptx  # the weights' fp16 rounding
+    assert "dp4a.s32.s32" in ptx  # the integer dots
     if split:
         assert "fence.acq_rel.gpu" in ptx and "atom.global" in ptx
 
@@ -218,20 +227,20 @@ def _dequant(dtype: str) -> None:
     assert "STACK:0 " in compile_sm90(te._dequant_kernel, args, dict(BN=256, EVEN_K=True), 4, ints)
 
 
-def _gather() -> None:
+def _quantize() -> None:
     from paphos.quant.kernels import triton_exl2 as te
 
-    ints = dict(M=1, K=4096, KP=4096, stride_xm=4096, total=3 * 4096)
-    args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "out_ptr": "*fp32", **{name: "i32" for name in ints}}
-    ptx = compile_sm90(te._gather_kernel, args, dict(MP=1, BLOCK=te.GATHER_BLOCK, PDL=True), 4, ints)
+    ints = dict(M=1, K=4096, n_runs=128, total_runs=3 * 128, stride_xm=4096)
+    args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "xq_ptr": "*i32", "xf_ptr": "*fp32", **{name: "i32" for name in ints}}
+    ptx = compile_sm90(te._quantize_kernel, args, dict(MP=1, RB=te.QUANTIZE_RUNS, PDL=True), 1, ints)
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
 CASES = {
-    "gemv-1-token-split": (_gemv, 1, True, True),
-    "gemv-2-tokens-short-last-run": (_gemv, 2, False, False),
+    "gemv-1-token-split": (_gemv, 1, True),
+    "gemv-2-tokens": (_gemv, 2, False),
     "dequant-bf16": (_dequant, "*bf16"),
-    "gather": (_gather,),
+    "quantize": (_quantize,),
 }
 
 

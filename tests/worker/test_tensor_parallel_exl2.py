@@ -200,7 +200,7 @@ def test_kernels_on_a_ranks_output_columns(te) -> None:  # noqa: ANN001
     assert torch.equal(out, weight.t())
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(51))
     ref = x.double() @ weight.double().t()
-    assert ((te.gemv(x, planes, split=2) - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((te.gemv(x, planes, split=2) - ref).abs().max() / ref.abs().max()).item() < 1e-3  # the GEMV: x to ~15 bits, weights unrounded (test_exl2_kernels.py)
 
 
 def test_kernels_on_a_ranks_stored_rows(te) -> None:  # noqa: ANN001
@@ -221,7 +221,7 @@ def test_kernels_on_a_ranks_stored_rows(te) -> None:  # noqa: ANN001
         assert torch.equal(out, weight[:, inputs.long()].t()), rows
         total += te.gemv(x[:, inputs.long()].contiguous(), planes).double()
     ref = x.double() @ weight.double().t()
-    assert ((total - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((total - ref).abs().max() / ref.abs().max()).item() < 1e-3  # the GEMV: x to ~15 bits, weights unrounded (test_exl2_kernels.py)
 
 
 def test_a_row_parallel_rank_runs_the_kernels_on_its_stored_rows(te, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -249,4 +249,4 @@ def test_a_row_parallel_rank_runs_the_kernels_on_its_stored_rows(te, monkeypatch
         layer.tp = _WholeInput(rank, 2, whole=x)
         total += layer.quant_method.apply(layer, x[:, rank * 96 : (rank + 1) * 96]).double()
     ref = x.double() @ enc.weight.double().t()
-    assert ((total - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((total - ref).abs().max() / ref.abs().max()).item() < 1e-3  # the GEMV: x to ~15 bits, weights unrounded (test_exl2_kernels.py)

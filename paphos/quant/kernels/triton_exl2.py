@@ -6,51 +6,62 @@ Data flow: paphos/quant/exl2.py loads each shard's checkpoint tensors, `pack` tu
 frees the checkpoint tensors (with `-tp N`, a rank's part: its output columns, or a row-parallel
 rank's stored rows as a layer of their own, exl2.py; the layout is the same); then every forward
 is `matmul(x, planes)`, by tokens per step M:
-  - M <= GEMV_MAX_TOKENS (decode): `_gemv_kernel`, one launch per layer (merged shards included),
-    reading each packed word once for all M tokens, fp32 accumulation, output in x's dtype.
+  - M <= GEMV_MAX_TOKENS (decode): `_quantize_kernel` gathers x into every shard's stored order
+    and quantizes each run of 32 values into two int8 parts (about 15 bits), then
+    `_gemv_kernel`, one launch per layer (merged shards included), reads each packed word once
+    for all M tokens and multiplies codes by x with integer dot products (`dp4a`, four codes at
+    a time), the group scale once per run, fp32 accumulation, output in x's dtype.
   - above: `_dequant_kernel` writes W^T [K, N] in the model dtype, rows in input order, into the
     scratch buffer shared with the GGUF and int families (triton_gguf.scratch; in column chunks
     where it is smaller), then cuBLAS (`x @ W^T`).
 
-The layout on the GPU (`pack`): the checkpoint's bytes, re-indexed, nothing expanded.
-  words   int32 [sum of R_s * N_s]   every shard's q_weight as stored (per output column a bit
-                                     stream along K, [R, N] row-major: a word row is contiguous
-                                     over the columns, so a program's columns load coalesced)
+The layout on the GPU (`pack`): the checkpoint's codes re-laid in planes, nothing expanded.
+  words   int32 [sum of R_s * N_s]   per shard, run of 32 stored rows and output column, the run's
+                                     `bits` words ([R, N] row-major: a word row is contiguous over
+                                     the columns, so a program's columns load coalesced). A
+                                     b-bit code is a low plane of LO bits and a high plane of HI
+                                     (PLANES: 2 = 2, 3 = 2 + 1, 4 = 4, 5 = 4 + 1, 6 = 4 + 2,
+                                     8 = 8), each of w bits in w words: the field of stored row
+                                     4j + l sits at bit w * (j % (8 / w)) + 8 l of the plane's
+                                     word j // (8 / w). One shift and mask of a word thus gives
+                                     the fields of four consecutive rows in the four bytes, the
+                                     high plane shifted up by LO and OR-ed in: the codes as bytes
+                                     for `dp4a`, whatever the width (the checkpoint's streams put
+                                     3/5/6-bit codes across words and in no byte order: per code
+                                     ~8.5 instructions of shifts, float conversion and FMA)
   scales  int32 [sum of G_s * N_s/8] every shard's q_scale as stored (4-bit codes, 8 per word)
   smax    fp16  [sum of G_s]         fp16(q_scale_max / 256): the rounded maximum every scale
                                      multiplies (exl2.py's rule), computed once
-  runs    int32 [S, ceil(K / 32), 2] per shard and run of 32 stored rows: its first q_weight row
-                                     and (bits | group << 4). A run never crosses a group (groups
+  runs    int32 [S, ceil(K / 32), 2] per shard and run of 32 stored rows: its first word row and
+                                     (bits | group << 4). A run never crosses a group (groups
                                      are whole runs but the last, `supports` checks), so a run
                                      has one bit width and one scale row, known by one load
   perm    int32 [S * K]              per shard argsort(q_invperm): stored row j multiplies
-                                     x[perm[j]]; `_gather_kernel` writes x in every shard's
-                                     stored order (float32) before the GEMV, which then reads it
-                                     without masks (in-GEMV gathers cost 9.7 instructions per
-                                     weight against 8.5, sm_90 assembly); the dequantization
-                                     writes stored row j as input row perm[j]
-                                     (so one cuBLAS call serves shards with different perms)
+                                     x[perm[j]]; the GEMV's x is gathered in stored order first
+                                     (by the quantizing launch); the dequantization writes stored
+                                     row j as input row perm[j] (so one cuBLAS call serves shards
+                                     with different perms)
   meta    int32 [S, 8]               per shard: offsets and strides into the planes above, its
                                      first output column and its columns
   tiles   int32 [T, 2]               (shard, first column) of each BLOCK_N-column program tile
                                      (tiles never cross shards): one launch per merged layer
-About K / 4 + 8 bytes per shard beyond the checkpoint's tensors (runs against q_groups).
-Why these and not more: the scales stay 4-bit codes (a scale per group and column in fp16 would
-be 4x q_scale's bytes, +3-5 % of the weights at 4 bpw, to save a load and ~8 integer ops per 32
-codes); the bit streams stay as written, since every code of a run sits at a position fixed by
-the bit width alone and each kernel has a compile-time unpacking per width (2, 3, 4, 5, 6, 8
-bits; 3/5/6-bit codes that straddle two words are joined from both), chosen per run at run time
-(one uniform branch per 32 rows). x is permuted rather than the weights (the weights stay
-untouched) and the merged shards keep their own permutations.
+About K / 4 + 8 bytes per shard beyond the checkpoint's tensors (runs against q_groups), and a
+short last run (K not a multiple of 32) padded to whole words. The scales stay 4-bit codes (a
+scale per group and column in fp16 would be 4x q_scale's bytes, +3-5 % of the weights at 4 bpw,
+to save a load and ~8 integer ops per 32 codes). x is permuted rather than the weights and the
+merged shards keep their own permutations.
 
-Numerics (exact to exl2.dequantize, the bit-exact rule): the scale is fp16((qs + 1)**2 *
-smax), the weight fp16(code * scale), both rounded from float32 products that are exact (codes
-become floats by the 2**23 mantissa trick: no integer conversion); the GEMV multiplies that fp16
-value by x in float32 (the dense path converts it to the model dtype first, as the CPU path
-does). CUDA-graph safe: no host syncs, buffers sized by shapes only; split-K partials are summed
+Numerics: the dequantization is exact to exl2.dequantize (the bit-exact rule): the scale is
+fp16((qs + 1)**2 * smax), the weight fp16(code * scale), both rounded from float32 products that
+are exact (codes become floats by the 2**23 mantissa trick: no integer conversion). The GEMV
+computes scale * dx * sum((code - 2**(b-1)) * (q1 + q2 / 254)) per run: the weights unrounded
+(within 2**-12 of the fp16 values) and x to ~15 bits, the integer family's GEMV numerics
+(triton_int.py). CUDA-graph safe: no host syncs, buffers sized by shapes only; split-K partials are summed
 by the last program of each tile (split_k.py); the GEMV uses programmatic dependent launch
-(paphos/layers/pdl.py). Measured on the H200: benchmarks/bench_quant_gpu.py (`exl2_kernels`,
-`exl2`, `exl2_mix`).
+(paphos/layers/pdl.py). Measured (benchmarks/bench_quant_gpu.py `exl2_kernels`, `exl2`; H100,
+4.0 bpw, batch 1, against bf16 cuBLAS): a Llama-3-8B layer's four linears 89 us against 162
+(gate|up 2.5x, q|k|v 1.2x, o 1.1x: too little work per launch), the 6-bit head 2.6x at 92 % of
+copy bandwidth; before the planes and `dp4a`, 0.5-0.9x bf16 (H200).
 """
 
 from __future__ import annotations
@@ -66,22 +77,27 @@ try:
     import triton
     import triton.language as tl
 
-    from paphos.quant.gguf import triton_gguf
+    from paphos.quant.gguf import triton_gemv, triton_gguf
     from paphos.quant.kernels import split_k
 except ImportError:  # CPU-only installs: the layers dequantize at load
     triton = None
 
 # The bit widths the kernels unpack (exllamav2's converter writes these).
 KERNEL_BITS = (2, 3, 4, 5, 6, 8)
+# A width's codes as a low and a high plane of 8, 4, 2 or 1 bits (module docstring).
+PLANES = {2: (2, 0), 3: (2, 1), 4: (4, 0), 5: (4, 1), 6: (4, 2), 8: (8, 0)}
+PACK_ROWS = 4096  # input rows re-laid at a time (a multiple of 32)
 META = 8  # int32 entries per shard in `meta`
 # Up to this many tokens the GEMV runs (weights decoded once for all of them); above, dequantize
-# + cuBLAS. bench_quant_gpu.py's `exl2_kernels` section times both at 1-16 tokens.
-GEMV_MAX_TOKENS = 8
+# + cuBLAS. bench_quant_gpu.py's `exl2_kernels` section times both at 1-16 tokens (gate|up at 16:
+# 148 against 199 us, H100).
+GEMV_MAX_TOKENS = 16
 NUM_SMS_GUESS = 132
-# Split-K: aim for this many programs per SM, each slice keeping at least MIN_RUNS runs of 32 rows.
-PROGRAMS_PER_SM = 8
+# Split-K: aim for this many programs per SM, each slice keeping at least MIN_RUNS runs of 32 rows
+# (16 against 8: gate|up 41.1 -> 32.6 us, the head 184 -> 144 us; H100).
+PROGRAMS_PER_SM = 16
 MIN_RUNS = 4
-GATHER_BLOCK = 1024
+QUANTIZE_RUNS = 8  # runs of x per program of `_quantize_kernel`
 
 # ---------------------------------------------------------------------------- Triton kernels
 
@@ -108,19 +124,44 @@ if triton is not None:
             return w7
 
     @triton.jit
-    def _code(w0, w1, w2, w3, w4, w5, w6, w7, START: tl.constexpr, BITS: tl.constexpr):
-        """The unsigned code at stream bit START of a run (uint32 words): its low bits from word
-        START // 32, shifted down; a code that straddles a word boundary takes its high bits from
-        the next word (a funnel shift)."""
-        LO: tl.constexpr = START // 32
-        S: tl.constexpr = START % 32
-        lo = _pick(w0, w1, w2, w3, w4, w5, w6, w7, LO)
-        if S + BITS > 32:
-            hi = _pick(w0, w1, w2, w3, w4, w5, w6, w7, LO + 1)
-            c = (lo >> S) | (hi << (32 - S))
+    def _field(w0, w1, w2, w3, w4, w5, w6, w7, J: tl.constexpr, FIRST: tl.constexpr, WIDTH: tl.constexpr):
+        """The WIDTH-bit plane fields of stored rows 4J .. 4J + 3 at the low bits of bytes 0-3 (the
+        plane's words start at word FIRST of the run; higher bits of each byte not cleared)."""
+        PER: tl.constexpr = 8 // WIDTH
+        return _pick(w0, w1, w2, w3, w4, w5, w6, w7, FIRST + J // PER) >> (WIDTH * (J % PER))
+
+    @triton.jit
+    def _code_bytes(w0, w1, w2, w3, w4, w5, w6, w7, J: tl.constexpr, BITS: tl.constexpr):
+        """The codes of stored rows 4J .. 4J + 3 as the four signed bytes of an int32 (row 4J + l
+        in byte l): low plane | high plane << LO, one shift and mask per plane; 8-bit codes as
+        code - 128 (the top bit of each byte flipped), so that every byte is a valid int8."""
+        LO: tl.constexpr = 2 + 2 * (BITS >= 4) + 4 * (BITS == 8)
+        HI: tl.constexpr = BITS - LO
+        if LO == 8:
+            c = _pick(w0, w1, w2, w3, w4, w5, w6, w7, J) ^ -0x7F7F7F80  # ^ 0x80808080
         else:
-            c = lo >> S
-        return c & ((1 << BITS) - 1)
+            c = _field(w0, w1, w2, w3, w4, w5, w6, w7, J, 0, LO) & (((1 << LO) - 1) * 0x01010101)
+            if HI > 0:
+                PER: tl.constexpr = 8 // HI
+                SHIFT: tl.constexpr = HI * (J % PER) - LO  # the high field down (or up) to bit LO
+                h = _pick(w0, w1, w2, w3, w4, w5, w6, w7, LO + J // PER)
+                if SHIFT >= 0:
+                    h = h >> SHIFT
+                else:
+                    h = h << -SHIFT
+                c = c | (h & ((((1 << HI) - 1) << LO) * 0x01010101))
+        return c
+
+    @triton.jit
+    def _code_at(w0, w1, w2, w3, w4, w5, w6, w7, V: tl.constexpr, BITS: tl.constexpr):
+        """The unsigned code of stored row V of a run (int32)."""
+        LO: tl.constexpr = 2 + 2 * (BITS >= 4) + 4 * (BITS == 8)
+        HI: tl.constexpr = BITS - LO
+        c = (_field(w0, w1, w2, w3, w4, w5, w6, w7, V // 4, 0, LO) >> (8 * (V % 4))) & ((1 << LO) - 1)
+        if HI > 0:
+            h = (_field(w0, w1, w2, w3, w4, w5, w6, w7, V // 4, LO, HI) >> (8 * (V % 4))) & ((1 << HI) - 1)
+            c = c | (h << LO)
+        return c
 
     @triton.jit
     def _weight(c, scale, BITS: tl.constexpr):
@@ -131,20 +172,10 @@ if triton is not None:
         return (f * scale).to(tl.float16).to(tl.float32)
 
     @triton.jit
-    def _word_row(wp, ROW: tl.constexpr, w_stride, col_ok, rows_left, EVEN_K: tl.constexpr):
-        """Word row ROW of a run for the program's columns, as uint32; rows past the shard's
-        q_weight (only in a short last run, never when K is a multiple of 32) read as 0."""
-        if EVEN_K:
-            mask = col_ok
-        else:
-            # (a scalar condition broadcast through a vector: the interpreter cannot AND a scalar bool)
-            mask = col_ok & (rows_left + col_ok.to(tl.int32) * 0 > ROW)
-        return tl.load(wp + ROW * w_stride, mask=mask, other=0).to(tl.uint32, bitcast=True)
-
-    @triton.jit
-    def _load_words(wp, w_stride, col_ok, rows_left, BITS: tl.constexpr, EVEN_K: tl.constexpr):
-        """A run's BITS word rows (the rest alias row 0 and are never read)."""
-        w0 = _word_row(wp, 0, w_stride, col_ok, rows_left, EVEN_K)
+    def _load_words(wp, w_stride, col_ok, BITS: tl.constexpr):
+        """A run's BITS word rows for the program's columns, int32 (the rest alias row 0 and are
+        never read)."""
+        w0 = tl.load(wp, mask=col_ok, other=0)
         w1 = w0
         w2 = w0
         w3 = w0
@@ -153,42 +184,50 @@ if triton is not None:
         w6 = w0
         w7 = w0
         if BITS > 1:
-            w1 = _word_row(wp, 1, w_stride, col_ok, rows_left, EVEN_K)
+            w1 = tl.load(wp + w_stride, mask=col_ok, other=0)
         if BITS > 2:
-            w2 = _word_row(wp, 2, w_stride, col_ok, rows_left, EVEN_K)
+            w2 = tl.load(wp + 2 * w_stride, mask=col_ok, other=0)
         if BITS > 3:
-            w3 = _word_row(wp, 3, w_stride, col_ok, rows_left, EVEN_K)
+            w3 = tl.load(wp + 3 * w_stride, mask=col_ok, other=0)
         if BITS > 4:
-            w4 = _word_row(wp, 4, w_stride, col_ok, rows_left, EVEN_K)
+            w4 = tl.load(wp + 4 * w_stride, mask=col_ok, other=0)
         if BITS > 5:
-            w5 = _word_row(wp, 5, w_stride, col_ok, rows_left, EVEN_K)
+            w5 = tl.load(wp + 5 * w_stride, mask=col_ok, other=0)
         if BITS > 6:
-            w6 = _word_row(wp, 6, w_stride, col_ok, rows_left, EVEN_K)
+            w6 = tl.load(wp + 6 * w_stride, mask=col_ok, other=0)
         if BITS > 7:
-            w7 = _word_row(wp, 7, w_stride, col_ok, rows_left, EVEN_K)
+            w7 = tl.load(wp + 7 * w_stride, mask=col_ok, other=0)
         return w0, w1, w2, w3, w4, w5, w6, w7
 
     @triton.jit
-    def _run_gemv(acc, wp, w_stride, col_ok, rows_left, scale, xp, ms, BITS: tl.constexpr, MP: tl.constexpr,
-                  EVEN_K: tl.constexpr):  # fmt: skip
-        """acc [MP, BN] += xg[v, :] * w[v, cols] over the run's 32 stored rows v (xg: x gathered into
-        stored order by `_gather_kernel`, float32, MP tokens per row)."""
-        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, col_ok, rows_left, BITS, EVEN_K)
-        for v in tl.static_range(32):
-            w = _weight(_code(w0, w1, w2, w3, w4, w5, w6, w7, v * BITS, BITS), scale, BITS)
-            xv = tl.load(xp + v * MP + ms)
-            acc += xv[:, None] * w[None, :]
-        return acc
+    def _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, BITS: tl.constexpr, ASM: tl.constexpr):
+        """acc [MP, BN] += scale * sum over the run's 32 stored rows v of (code - offset) * x[v]:
+        per 4 rows one word of code bytes and two `dp4a`, with x's int8 parts (xq: [MP, 16] words,
+        `_quantize_kernel`); then dx * (dot1 + dot2 / 254) - offset * sum(x), xf: [MP, 2] (dx,
+        sum of the quantized x). 8-bit bytes are code - 128: no offset left to subtract."""
+        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, col_ok, BITS)
+        d1 = tl.zeros(acc.shape, dtype=tl.int32)
+        d2 = tl.zeros(acc.shape, dtype=tl.int32)
+        for j in tl.static_range(8):
+            c = tl.broadcast_to(_code_bytes(w0, w1, w2, w3, w4, w5, w6, w7, j, BITS)[None, :], acc.shape)
+            x1 = tl.load(xq + ms * 16 + j)
+            x2 = tl.load(xq + ms * 16 + (8 + j))
+            d1 = triton_gemv._dp4a(c, tl.broadcast_to(x1[:, None], acc.shape), d1, ASM)
+            d2 = triton_gemv._dp4a(c, tl.broadcast_to(x2[:, None], acc.shape), d2, ASM)
+        dx = tl.load(xf + ms * 2)
+        xsum = tl.load(xf + ms * 2 + 1)
+        OFFSET: tl.constexpr = (1 << (BITS - 1)) * (BITS != 8)
+        dot = (d1.to(tl.float32) + d2.to(tl.float32) * (1.0 / 254.0)) * dx[:, None] - OFFSET * xsum[:, None]
+        return acc + dot * scale[None, :]
 
     @triton.jit
     def _run_store(
-        out_ptr, stride_o, o_cols, wp, w_stride, col_ok, rows_left, scale, pp, j0, K,
-        BITS: tl.constexpr, EVEN_K: tl.constexpr,
+        out_ptr, stride_o, o_cols, wp, w_stride, col_ok, scale, pp, j0, K, BITS: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         """The run's 32 stored rows v of the program's columns into out[perm[j0 + v], o_cols]."""
-        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, col_ok, rows_left, BITS, EVEN_K)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, col_ok, BITS)
         for v in tl.static_range(32):
-            w = _weight(_code(w0, w1, w2, w3, w4, w5, w6, w7, v * BITS, BITS), scale, BITS)
+            w = _weight(_code_at(w0, w1, w2, w3, w4, w5, w6, w7, v, BITS), scale, BITS)
             if EVEN_K:
                 row = tl.load(pp + v)
                 tl.store(out_ptr + row.to(tl.int64) * stride_o + o_cols, w.to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -200,21 +239,20 @@ if triton is not None:
 
     @triton.jit
     def _tile(meta_ptr, tile_ptr, tile, BN: tl.constexpr):
-        """A program tile's shard and its planes' offsets: (shard, w_off, w_stride, w_rows, s_off,
+        """A program tile's shard and its planes' offsets: (shard, w_off, w_stride, s_off,
         s_stride, m_off, first output column, columns of the tile (index), column ok)."""
         shard = tl.load(tile_ptr + 2 * tile)
         c0 = tl.load(tile_ptr + 2 * tile + 1)
         meta = meta_ptr + shard * 8
         w_off = tl.load(meta).to(tl.int64)
         w_stride = tl.load(meta + 1)
-        w_rows = tl.load(meta + 2)
         s_off = tl.load(meta + 3).to(tl.int64)
         s_stride = tl.load(meta + 4)
         m_off = tl.load(meta + 5)
         col0 = tl.load(meta + 6)
         n_cols = tl.load(meta + 7)
         cols = c0 + tl.arange(0, BN)
-        return shard, w_off, w_stride, w_rows, s_off, s_stride, m_off, col0, cols, cols < n_cols
+        return shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, cols < n_cols
 
     @triton.jit
     def _run_scale(s_ptr, m_ptr, s_off, s_stride, m_off, g, cols, col_ok):
@@ -225,47 +263,46 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        xg_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, m_ptr, run_ptr, meta_ptr, tile_ptr,
+        xq_ptr, xf_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, m_ptr, run_ptr, meta_ptr, tile_ptr,
         M, N, n_runs, runs_per_split,
-        BN: tl.constexpr, MP: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr,
+        BN: tl.constexpr, MP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x [M, K] W^T: one program per tile of BN columns (of one shard) and slice
         of runs_per_split runs (grid axis 1; SPLIT: more than one slice, the last program of a
         tile to finish sums the float32 partials). Per run: its bit width picks the unpacking
-        (a uniform branch), its group the scales; x comes gathered into stored order, float32
-        (`_gather_kernel`: one load per code and thread, no masks)."""
+        (a uniform branch), its group the scales; x comes quantized per run, in stored order
+        (`_quantize_kernel`)."""
         pdl.release(PDL)
         tile = tl.program_id(0)
         pid_k = tl.program_id(1)
-        shard, w_off, w_stride, w_rows, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN)
+        shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN)
         ms = tl.arange(0, MP)
         m_ok = ms < M
         r0 = pid_k * runs_per_split
         r1 = tl.minimum(r0 + runs_per_split, n_runs)
         acc = tl.zeros((MP, BN), dtype=tl.float32)
-        pdl.wait(PDL)  # xg comes from the kernel before
+        pdl.wait(PDL)  # x's parts come from the kernel before
         for r in range(r0, r1):
-            rp = run_ptr + (shard * n_runs + r) * 2
-            word_row = tl.load(rp)
-            info = tl.load(rp + 1)
+            run = shard * n_runs + r
+            word_row = tl.load(run_ptr + 2 * run)
+            info = tl.load(run_ptr + 2 * run + 1)
             bits = info & 15
             scale = _run_scale(s_ptr, m_ptr, s_off, s_stride, m_off, info >> 4, cols, col_ok)
             wp = w_ptr + w_off + word_row.to(tl.int64) * w_stride + cols
-            rows_left = w_rows - word_row
-            xp = xg_ptr + (shard * n_runs + r) * (32 * MP)
+            xq = xq_ptr + run * (16 * MP)
+            xf = xf_ptr + run * (2 * MP)
             if bits == 4:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, rows_left, scale, xp, ms, 4, MP, EVEN_K)
+                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 4, ASM)
             elif bits == 3:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, rows_left, scale, xp, ms, 3, MP, EVEN_K)
+                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 3, ASM)
             elif bits == 5:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, rows_left, scale, xp, ms, 5, MP, EVEN_K)
+                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 5, ASM)
             elif bits == 6:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, rows_left, scale, xp, ms, 6, MP, EVEN_K)
+                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 6, ASM)
             elif bits == 2:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, rows_left, scale, xp, ms, 2, MP, EVEN_K)
+                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 2, ASM)
             else:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, rows_left, scale, xp, ms, 8, MP, EVEN_K)
+                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 8, ASM)
         o_cols = col0 + cols
         mask = m_ok[:, None] & col_ok[None, :]
         at = ms[:, None] * N + o_cols[None, :]  # out and the partial planes are [M, N]
@@ -278,23 +315,40 @@ if triton is not None:
             tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gather_kernel(
-        x_ptr, perm_ptr, out_ptr, M, K, KP, stride_xm, total, MP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    def _quantize_kernel(
+        x_ptr, perm_ptr, xq_ptr, xf_ptr, M, K, n_runs, total_runs, stride_xm,
+        MP: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """out [S, KP, MP] float32 = x[m, perm_s[j]] for shard s, stored row j < K and token m < M,
-        0 elsewhere (KP: K rounded up to whole runs, MP: M rounded up to a power of two), so the
-        GEMV reads x with no masks, MP tokens of a row in one vector."""
+        """x[m, perm_s[32 r + v]] for RB (shard, run) pairs r and token m (grid axis 1; 0 past K
+        or M) as two int8 parts per run: q1 = round(x / dx), dx = amax / 127, and q2 =
+        round((x / dx - q1) * 254) (about 15 bits of x). xq [S * n_runs, MP, 16] int32: q1's
+        bytes in words 0-7, q2's in 8-15, stored row 4j + l in byte l of word j (the GEMV's code
+        bytes); xf [S * n_runs, MP, 2]: dx and the sum of the quantized x."""
         pdl.release(PDL)
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < total
-        m = i % MP
-        row = i // MP
-        j = row % KP
-        valid = ok & (j < K) & (m < M)
-        src = tl.load(perm_ptr + (row // KP) * K + j, mask=valid, other=0)  # static: before the wait
+        rr = tl.program_id(0) * RB + tl.arange(0, RB)
+        m = tl.program_id(1)
+        lane = tl.arange(0, 4)[None, None, :]
+        row = (rr % n_runs)[:, None, None] * 32 + tl.arange(0, 8)[None, :, None] * 4 + lane
+        r_ok = rr < total_runs
+        ok = r_ok[:, None, None] & (row < K) & (row * 0 + m < M)  # (the interpreter cannot AND a scalar bool)
+        src = tl.load(perm_ptr + (rr // n_runs)[:, None, None] * K + row, mask=ok, other=0)  # static: before the wait
         pdl.wait(PDL)
-        v = tl.load(x_ptr + m * stride_xm + src, mask=valid, other=0.0).to(tl.float32)
-        tl.store(out_ptr + i, v, mask=ok)
+        v = tl.load(x_ptr + m * stride_xm + src, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
+        v = v * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None, None]
+        f1 = v + 12582912.0  # v + 1.5 * 2**23: the float's low byte is round(v), two's complement
+        r1 = f1 - 12582912.0
+        f2 = (v - r1) * 254.0 + 12582912.0
+        xsum = (tl.sum(tl.sum(r1, axis=2), axis=1) + tl.sum(tl.sum(f2 - 12582912.0, axis=2), axis=1) * (1.0 / 254.0))
+        # the bytes go to disjoint bits of a word: summing them is OR-ing them
+        q1 = tl.sum((f1.to(tl.int32, bitcast=True) & 0xFF) << (8 * lane), axis=2)
+        q2 = tl.sum((f2.to(tl.int32, bitcast=True) & 0xFF) << (8 * lane), axis=2)
+        at = (rr * MP + m)[:, None] * 16 + tl.arange(0, 8)[None, :]
+        tl.store(xq_ptr + at, q1, mask=r_ok[:, None])
+        tl.store(xq_ptr + at + 8, q2, mask=r_ok[:, None])
+        dx = amax * (1.0 / 127.0)
+        tl.store(xf_ptr + (rr * MP + m) * 2, dx, mask=r_ok)
+        tl.store(xf_ptr + (rr * MP + m) * 2 + 1, xsum * dx, mask=r_ok)
 
     @triton.jit
     def _dequant_kernel(
@@ -305,7 +359,7 @@ if triton is not None:
         (its dtype): one program per column tile and run."""
         tile = tl.program_id(0)
         r = tl.program_id(1)
-        shard, w_off, w_stride, w_rows, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN)
+        shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN)
         o_cols = col0 + cols
         col_ok = col_ok & (o_cols >= col_a) & (o_cols < col_b)
         rp = run_ptr + (shard * n_runs + r) * 2
@@ -314,22 +368,21 @@ if triton is not None:
         bits = info & 15
         scale = _run_scale(s_ptr, m_ptr, s_off, s_stride, m_off, info >> 4, cols, col_ok)
         wp = w_ptr + w_off + word_row.to(tl.int64) * w_stride + cols
-        rows_left = w_rows - word_row
         pp = perm_ptr + shard * K + r * 32
         j0 = r * 32
         oc = o_cols - col_a
         if bits == 4:
-            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, rows_left, scale, pp, j0, K, 4, EVEN_K)
+            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, scale, pp, j0, K, 4, EVEN_K)
         elif bits == 3:
-            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, rows_left, scale, pp, j0, K, 3, EVEN_K)
+            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, scale, pp, j0, K, 3, EVEN_K)
         elif bits == 5:
-            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, rows_left, scale, pp, j0, K, 5, EVEN_K)
+            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, scale, pp, j0, K, 5, EVEN_K)
         elif bits == 6:
-            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, rows_left, scale, pp, j0, K, 6, EVEN_K)
+            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, scale, pp, j0, K, 6, EVEN_K)
         elif bits == 2:
-            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, rows_left, scale, pp, j0, K, 2, EVEN_K)
+            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, scale, pp, j0, K, 2, EVEN_K)
         else:
-            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, rows_left, scale, pp, j0, K, 8, EVEN_K)
+            _run_store(out_ptr, stride_o, oc, wp, w_stride, col_ok, scale, pp, j0, K, 8, EVEN_K)
 
 
 # ---------------------------------------------------------------------------- the planes
@@ -393,30 +446,80 @@ def default_block_n(columns: tuple[int, ...]) -> int:
     return max(16, min(256, triton.next_power_of_2(max(columns)) if triton is not None else 256))
 
 
+def _stream_codes(stream: torch.Tensor, rows: int, bits: int) -> torch.Tensor:
+    """int64 [rows, N]: the codes of a bit stream as the checkpoint stores it (int32 [W, N]; code
+    v at stream bit v * bits, a code across two words joined from both)."""
+    words = stream.to(torch.int64) & 0xFFFFFFFF
+    start = torch.arange(rows, device=stream.device) * bits
+    lo, shift = start // 32, (start % 32)[:, None]
+    hi = torch.clamp(lo + 1, max=words.shape[0] - 1)
+    return ((words[lo] >> shift) | torch.where(shift + bits > 32, words[hi] << (32 - shift), 0)) & ((1 << bits) - 1)
+
+
+def _plane_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 codes [32 * runs, N] of one width -> the runs' words, int32 [bits * runs, N]: per
+    run the low plane's words, then the high plane's (PLANES; module docstring)."""
+    runs, n = codes.shape[0] // 32, codes.shape[1]
+    lo_bits, hi_bits = PLANES[bits]
+    planes = []
+    for width, part in ((lo_bits, codes & ((1 << lo_bits) - 1)), (hi_bits, codes >> lo_bits)):
+        if width:
+            per = 8 // width  # fields per byte lane; row 4 * (word * per + field) + lane
+            shift = width * torch.arange(per, device=codes.device)[:, None] + 8 * torch.arange(4, device=codes.device)
+            planes.append((part.view(runs, width, per, 4, n) << shift[:, :, None]).sum(dim=(2, 3)))
+    words = torch.cat(planes, dim=1).reshape(runs * bits, n)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _plane_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `_plane_words`: int64 codes [32 * runs, N]."""
+    runs, n = words.shape[0] // bits, words.shape[1]
+    w = (words.to(torch.int64) & 0xFFFFFFFF).view(runs, bits, n)
+    lo_bits, hi_bits = PLANES[bits]
+    codes = torch.zeros(runs, 32, n, dtype=torch.int64, device=words.device)
+    for first, width, up in ((0, lo_bits, 0), (lo_bits, hi_bits, lo_bits)):
+        if width:
+            per = 8 // width
+            shift = width * torch.arange(per, device=words.device)[:, None] + 8 * torch.arange(4, device=words.device)
+            fields = (w[:, first : first + width, None, None] >> shift[:, :, None]) & ((1 << width) - 1)
+            codes |= fields.reshape(runs, 32, n) << up
+    return codes.reshape(runs * 32, n)
+
+
 def pack(shards: list[Shard], block_n: int | None = None) -> EXL2Planes:
     """The kernels' planes of a layer's shards (same K; on their device). Call `unsupported` first."""
     k = shards[0].invperm.numel()
     device = shards[0].q_weight.device
     n_runs = -(-k // 32)
     block_n = block_n or default_block_n(tuple(s.columns for s in shards))
-    runs: list[list[int]] = []  # per shard and run: first q_weight row, bits | group << 4
-    meta, tiles = [], []
-    w_off = s_off = m_off = col0 = 0
+    runs: list[list[int]] = []  # per shard and run: first word row, bits | group << 4
+    words, meta, tiles = [], [], []
+    s_off = m_off = col0 = 0
+    w_off = 0
     for i, s in enumerate(shards):
+        npad = s.q_weight.shape[1]
+        word_row = 0
         for g, (bits, word0, row0) in enumerate(s.groups):
             end = s.groups[g + 1][2] if g + 1 < len(s.groups) else k
-            runs += [[word0 + bits * (run - row0 // 32), bits | g << 4] for run in range(row0 // 32, -(-end // 32))]
-        r, npad = s.q_weight.shape
-        meta.append([w_off, npad, r, s_off, s.q_scale.shape[1], m_off, col0, s.columns])
+            for a in range(row0, end, PACK_ROWS):  # in slices: int64 codes of a whole group can be GBs
+                rows = min(PACK_ROWS, end - a)
+                first = word0 + (a - row0) * bits // 32
+                codes = _stream_codes(s.q_weight[first : first + -(-rows * bits // 32)], rows, bits)
+                codes = torch.nn.functional.pad(codes, (0, 0, 0, -rows % 32))  # whole runs
+                words.append(_plane_words(codes, bits))
+            for _ in range(row0 // 32, -(-end // 32)):
+                runs.append([word_row, bits | g << 4])
+                word_row += bits
+        meta.append([w_off, npad, word_row, s_off, s.q_scale.shape[1], m_off, col0, s.columns])
         tiles += [[i, c] for c in range(0, s.columns, block_n)]
-        w_off += s.q_weight.numel()
+        w_off += word_row * npad
         s_off += s.q_scale.numel()
         m_off += s.q_scale_max.numel()
         col0 += s.columns
     if w_off >= 1 << 31 or s_off >= 1 << 31:
         raise ValueError("EXL2 layer too large for 32-bit offsets")
     return EXL2Planes(
-        words=torch.cat([s.q_weight.reshape(-1) for s in shards]),
+        words=torch.cat([w.reshape(-1) for w in words]),
         scales=torch.cat([s.q_scale.reshape(-1) for s in shards]),
         # exllamav2's rounding of the maximum (exl2.py): fp16(fp16 max / 256), exact in float32 first
         smax=torch.cat([(s.q_scale_max.float() / 256).half() for s in shards]),
@@ -437,29 +540,22 @@ def reference_weight(planes: EXL2Planes) -> torch.Tensor:
     """float32 [N, K] (input order) from the planes, in torch: what every kernel computes."""
     k = planes.k
     runs, meta = planes.runs.cpu(), planes.meta.cpu().tolist()
+    words_all = planes.words.cpu()
     out = []
-    words_all = planes.words.cpu().to(torch.int64) & 0xFFFFFFFF
-    for i, (w_off, npad, r, s_off, s_words, m_off, _, cols) in enumerate(meta):
-        words = words_all[w_off : w_off + r * npad].view(r, npad)
+    for i, (w_off, npad, rows, s_off, s_words, m_off, _, cols) in enumerate(meta):
+        words = words_all[w_off : w_off + rows * npad].view(rows, npad)
         qs_words = planes.scales.cpu()[s_off:].to(torch.int64)
-        stored = torch.empty(k, npad, dtype=torch.float32)
+        stored = torch.empty(planes.n_runs * 32, npad, dtype=torch.float32)
         for run in range(planes.n_runs):
             word0, info = runs[i, run].tolist()
             bits, g = info & 15, info >> 4
-            rows = min(32, k - run * 32)
-            stream = torch.zeros(bits, npad, dtype=torch.int64)
-            avail = min(bits, r - word0)
-            stream[:avail] = words[word0 : word0 + avail]
-            start = torch.arange(rows) * bits
-            lo, sh = start // 32, (start % 32)[:, None]
-            hi = torch.clamp(lo + 1, max=bits - 1)
-            codes = ((stream[lo] >> sh) | torch.where(sh + bits > 32, stream[hi] << (32 - sh), 0)) & ((1 << bits) - 1)
+            codes = _plane_codes(words[word0 : word0 + bits], bits)
             qs = (qs_words[g * s_words + torch.arange(npad) // 8] >> (torch.arange(npad) % 8 * 4)) & 15
             scale = ((qs + 1).square().float() * planes.smax.cpu()[m_off + g].float()).half().float()
-            stored[run * 32 : run * 32 + rows] = ((codes - (1 << (bits - 1))).float() * scale).half().float()
+            stored[run * 32 : run * 32 + 32] = ((codes - (1 << (bits - 1))).float() * scale).half().float()
         perm = planes.perm.cpu()[i * k : (i + 1) * k].long()
         w = torch.empty(npad, k)
-        w[:, perm] = stored.t()
+        w[:, perm] = stored[:k].t()
         out.append(w[:cols])
     return torch.cat(out)
 
@@ -502,12 +598,11 @@ def gemv(x: torch.Tensor, planes: EXL2Planes, split: int | None = None, num_warp
     use_split = splits > 1 and tiles <= split_k.COUNTERS and splits * m * planes.n < 1 << 31
     if not use_split:
         per_split, splits = n_runs, 1
-    shards = planes.meta.shape[0]
-    kp = n_runs * 32
-    xg = torch.empty(shards, kp, mp, dtype=torch.float32, device=x.device)
-    total = xg.numel()
-    _gather_kernel[(triton.cdiv(total, GATHER_BLOCK),)](
-        x, planes.perm, xg, m, planes.k, kp, x.stride(0), total, MP=mp, BLOCK=GATHER_BLOCK, num_warps=4,
+    total_runs = planes.meta.shape[0] * n_runs
+    xq = torch.empty(total_runs, mp, 16, dtype=torch.int32, device=x.device)
+    xf = torch.empty(total_runs, mp, 2, dtype=torch.float32, device=x.device)
+    _quantize_kernel[(triton.cdiv(total_runs, QUANTIZE_RUNS), mp)](
+        x, planes.perm, xq, xf, m, planes.k, n_runs, total_runs, x.stride(0), MP=mp, RB=QUANTIZE_RUNS, num_warps=1,
         **pdl.options(x),
     )  # fmt: skip
     out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
@@ -515,10 +610,9 @@ def gemv(x: torch.Tensor, planes: EXL2Planes, split: int | None = None, num_warp
     counters = split_k.counters(x.device) if use_split else partials
     warps = num_warps or max(1, min(4, planes.block_n // 128))
     _gemv_kernel[(tiles, splits)](
-        xg, out, partials, counters, planes.words, planes.scales, planes.smax, planes.runs, planes.meta, planes.tiles,
-        m, planes.n, n_runs, per_split,
-        BN=planes.block_n, MP=mp, SPLIT=use_split, EVEN_K=planes.k % 32 == 0, ASM=x.is_cuda, num_warps=warps,
-        **pdl.options(x),
+        xq, xf, out, partials, counters, planes.words, planes.scales, planes.smax, planes.runs, planes.meta,
+        planes.tiles, m, planes.n, n_runs, per_split,
+        BN=planes.block_n, MP=mp, SPLIT=use_split, ASM=x.is_cuda, num_warps=warps, **pdl.options(x),
     )  # fmt: skip
     return out
 
