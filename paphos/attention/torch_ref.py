@@ -89,8 +89,7 @@ class TorchReferenceBackend:
             # Device tensors only (a compiled decode step, worker/cpu_compiled.py): every row is
             # one sequence's query; block_tables are as wide as the longest context needs.
             return self._attend_decode(
-                q, kv_cache, metadata.seq_lens.long(), metadata.block_tables.long(), scale, sliding_window,
-                logits_soft_cap,
+                q, kv_cache, metadata.seq_lens, metadata.block_tables, scale, sliding_window, logits_soft_cap
             )
         plan = self._get_plan(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
@@ -189,12 +188,14 @@ class TorchReferenceBackend:
         sliding_window: int | None,
         soft_cap: float | None,
     ) -> torch.Tensor:
-        """q [b, Hq, D], one query per sequence at position seq_len - 1; seq_lens long [b],
-        block_tables long [b, blocks] -> [b, Hq, D] in q's dtype."""
+        """q [b, Hq, D], one query per sequence at position seq_len - 1; seq_lens [b] and
+        block_tables [b, blocks] integer (the native kernel reads int32, the gather long) ->
+        [b, Hq, D] in q's dtype."""
         if sliding_window is None and soft_cap is None and native_cpu.decode_attention_supported(q, kv_cache):
             # Straight from the paged cache, no gather: 16 sequences of 128 tokens (SmolLM2, 2
             # cores) 22 us a layer against 82 us for the reductions below inside the compiled step.
             return native_cpu.decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+        seq_lens, block_tables = seq_lens.long(), block_tables.long()
         b = q.shape[0]
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         length = block_tables.shape[1] * block_size

@@ -176,7 +176,7 @@ def _decode_attention(
     batch, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()  # no copy when the metadata's int32 comes
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.bfloat16)
     _Loaded.library.paphos_decode_attention(

@@ -43,8 +43,6 @@ def allocate_kv_caches(
     shape = (num_blocks, 2, block_size, spec.num_kv_heads, spec.head_dim)
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-    element = torch.empty((), dtype=spec.dtype).element_size()
-    nbytes = spec.num_layers * num_blocks * 2 * block_size * spec.num_kv_heads * spec.head_dim * element
     # the tensor keeps the map alive (torch.frombuffer holds a reference to it)
-    pages = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+    pages = torch.frombuffer(mmap.mmap(-1, num_blocks * spec.bytes_per_block(block_size)), dtype=torch.uint8)
     return list(pages.view(spec.dtype).view(spec.num_layers, *shape).unbind(0))
