@@ -278,8 +278,9 @@ def _copies(planes: Any, count: int) -> list[Any]:
 
 def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) -> dict[str, Any]:
     """CUDA-graph times of one EXL2 layer: the batch-1 GEMV by the launch rule, bf16 cuBLAS on
-    the same shape; o and gate|up: a sweep of the GEMV's launch, and (gate|up) the GEMV against
-    dequantize + cuBLAS at 1-16 tokens."""
+    the same shape, a sweep of the GEMV's launch (K slices, loads a run ahead or not; o and
+    gate|up also tile widths), and (gate|up) the GEMV against dequantize + cuBLAS at 1-16 tokens,
+    the GEMV with and without loads a run ahead."""
     import dataclasses
 
     import torch.nn.functional as F
@@ -291,8 +292,8 @@ def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) ->
     count = max(1, min(8, math.ceil(200e6 / planes.nbytes())))
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
 
-    def gemv_time(p: Any, split: int | None = None, warps: int | None = None) -> float:
-        return graph_time([lambda c=c: te.gemv(x, c, split, warps) for c in _copies(p, count)])
+    def gemv_time(p: Any, split: int | None = None, warps: int | None = None, ahead: bool | None = None) -> float:
+        return graph_time([lambda c=c: te.gemv(x, c, split, warps, ahead) for c in _copies(p, count)])
 
     t = gemv_time(planes)
     w16 = [weight.to(torch.bfloat16) for _ in range(max(1, min(4, math.ceil(200e6 / (n * k * 2)))))]
@@ -302,16 +303,22 @@ def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) ->
                                      "x_bf16": t16 / t, "split": te.gemv_split(planes), "block_n": planes.block_n}}  # fmt: skip
     if bench.results.get("copy_bw"):
         r["gemv_m1"]["frac_copy_bw"] = planes.nbytes() / t / bench.results["copy_bw"]
-    if name not in ("o", "gate_up"):
-        return r
-    # a narrow and a wide layer: tile width (4 columns per thread, or 8) and K slices around the rule's
+    # every layer: K slices around the rule's, each run's loads issued ahead of its multiply or not;
+    # a narrow and a wide layer also: tile width (4 columns per thread, or 8)
     sweep = {}
-    for block_n, warps in ((256, 2), (256, 1), (512, 2)):
-        tiles = [[i, c0] for i, cols in enumerate(planes.meta[:, 7].tolist()) for c0 in range(0, cols, block_n)]
-        p = dataclasses.replace(planes, block_n=block_n, splits={}, tiles=torch.tensor(tiles, dtype=torch.int32, device="cuda"))
-        base = te.gemv_split(p)
-        for split in sorted({max(1, base // 2), base, base * 2}):
-            sweep[f"bn{block_n}-w{warps}-s{split}"] = round(gemv_time(p, split, warps) * 1e6, 2)
+    base = te.gemv_split(planes)
+    for split in sorted({max(1, base // 2), base, base * 2, base * 4}):
+        for ahead in (True, False):
+            sweep[f"bn{planes.block_n}-s{split}-{'ahead' if ahead else 'after'}"] = round(
+                gemv_time(planes, split, None, ahead) * 1e6, 2)
+    if name in ("o", "gate_up"):
+        for block_n, warps in ((256, 1), (512, 2)):
+            tiles = [[i, c0] for i, cols in enumerate(planes.meta[:, 7].tolist()) for c0 in range(0, cols, block_n)]
+            p = dataclasses.replace(planes, block_n=block_n, splits={},
+                                    tiles=torch.tensor(tiles, dtype=torch.int32, device="cuda"))  # fmt: skip
+            base = te.gemv_split(p)
+            for split in sorted({max(1, base // 2), base, base * 2}):
+                sweep[f"bn{block_n}-w{warps}-s{split}"] = round(gemv_time(p, split, warps) * 1e6, 2)
     r["gemv_m1_sweep_us"] = sweep
     best = min(sweep, key=sweep.get)
     print(f"  {name}: GEMV {t * 1e6:.2f} us by the rule, best {best} {sweep[best]} us; bf16 {t16 * 1e6:.2f} us", flush=True)
@@ -321,6 +328,9 @@ def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) ->
             xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cross[m] = {"gemv_us": graph_time([lambda xm=xm: te.gemv(xm, planes)], 16) * 1e6,
                         "dequant_cublas_us": graph_time([lambda xm=xm: te.dequant_matmul(xm, planes)], 16) * 1e6}  # fmt: skip
+            for ahead in (True, False):
+                cross[m][f"gemv_{'ahead' if ahead else 'after'}_us"] = graph_time(
+                    [lambda xm=xm, a=ahead: te.gemv(xm, planes, ahead=a)], 16) * 1e6
         r["gemv_vs_dequant_us"] = cross
     return r
 

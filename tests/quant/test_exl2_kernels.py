@@ -210,10 +210,13 @@ def _gemv(mp: int, split: bool) -> None:
             "meta_ptr": "*i32", "tile_ptr": "*i32"}  # fmt: skip
     ints = dict(M=mp, N=4096, n_runs=128, runs_per_split=4)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=256, MP=mp, SPLIT=split, ASM=True, PDL=True)
-    ptx = compile_sm90(te._gemv_kernel, args, constexprs, 2, ints)
+    # a 4.0 bpw layer: runs of 3, 4 and 5 bits
+    constexprs = dict(BN=256, MP=mp, MAXBITS=5, SPLIT=split, AHEAD=mp <= te.AHEAD_MAX_TOKENS, ALIGNED=True, ASM=True,
+                      PDL=True)  # fmt: skip
+    ptx = compile_sm90(te._gemv_kernel, args, constexprs, te.gemv_warps(256, mp), ints)
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
     assert "dp4a.s32.s32" in ptx  # the integer dots
+    assert "ld.global.v4.b32" in ptx or "ld.global.v2.b32" in ptx  # a thread's columns in one access
     if split:
         assert "fence.acq_rel.gpu" in ptx and "atom.global" in ptx
 
@@ -224,7 +227,7 @@ def _dequant(dtype: str) -> None:
     args = {"out_ptr": dtype, **_TABLES, "perm_ptr": "*i32", "meta_ptr": "*i32", "tile_ptr": "*i32"}
     ints = dict(K=4096, n_runs=128, col_a=0, col_b=4096, stride_o=4096)
     args |= {name: "i32" for name in ints}
-    assert "STACK:0 " in compile_sm90(te._dequant_kernel, args, dict(BN=256, EVEN_K=True), 4, ints)
+    assert "STACK:0 " in compile_sm90(te._dequant_kernel, args, dict(BN=256, EVEN_K=True, ALIGNED=True), 4, ints)
 
 
 def _quantize() -> None:
@@ -239,6 +242,8 @@ def _quantize() -> None:
 CASES = {
     "gemv-1-token-split": (_gemv, 1, True),
     "gemv-2-tokens": (_gemv, 2, False),
+    "gemv-4-tokens-split": (_gemv, 4, True),
+    "gemv-16-tokens-split": (_gemv, 16, True),
     "dequant-bf16": (_dequant, "*bf16"),
     "quantize": (_quantize,),
 }

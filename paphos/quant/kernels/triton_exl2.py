@@ -58,10 +58,16 @@ computes scale * dx * sum((code - 2**(b-1)) * (q1 + q2 / 254)) per run: the weig
 (within 2**-12 of the fp16 values) and x to ~15 bits, the integer family's GEMV numerics
 (triton_int.py). CUDA-graph safe: no host syncs, buffers sized by shapes only; split-K partials are summed
 by the last program of each tile (split_k.py); the GEMV uses programmatic dependent launch
-(paphos/layers/pdl.py). Measured (benchmarks/bench_quant_gpu.py `exl2_kernels`, `exl2`; H100,
-4.0 bpw, batch 1, against bf16 cuBLAS): a Llama-3-8B layer's four linears 89 us against 162
-(gate|up 2.5x, q|k|v 1.2x, o 1.1x: too little work per launch), the 6-bit head 2.6x at 92 % of
-copy bandwidth; before the planes and `dp4a`, 0.5-0.9x bf16 (H200).
+(paphos/layers/pdl.py): a program's first run is loaded before it waits for x, each next run
+while the current one is multiplied (up to AHEAD_MAX_TOKENS tokens). Measured
+(benchmarks/bench_quant_gpu.py `exl2_kernels`; 4.0 bpw, batch 1, CUDA-graph replays, against
+bf16 cuBLAS; the sweep's best launch per shape, which the split rule now picks): H100, a
+Llama-3-8B layer's four linears 80.9 us against 162.4 (2.0x; 89.4 before the loads ahead, the
+16-byte loads and the unrolled final sum: q|k|v 17.1 -> 14.0, o 14.4 -> 11.0, down 25.4 -> 20.9
+us), the 6-bit head 141 us (2.7x bf16, 0.96 of copy bandwidth at its best split); H200 (before
+the 16-byte loads) q|k|v 15.9 -> 11.2, o 14.1 -> 12.4 us. The narrow layers still run at 20-30 %
+of copy bandwidth: each is a chain of dependent latencies (the quantizing launch, x, one or two
+runs, the split-K sum) more than a stream of bytes.
 """
 
 from __future__ import annotations
@@ -93,11 +99,19 @@ META = 8  # int32 entries per shard in `meta`
 # 148 against 199 us, H100).
 GEMV_MAX_TOKENS = 16
 NUM_SMS_GUESS = 132
-# Split-K: aim for this many programs per SM, each slice keeping at least MIN_RUNS runs of 32 rows
-# (16 against 8: gate|up 41.1 -> 32.6 us, the head 184 -> 144 us; H100).
-PROGRAMS_PER_SM = 16
-MIN_RUNS = 4
+# Split-K: K slices (a power of two) are added while the grid stays within this many programs per
+# SM, each slice keeping at least MIN_RUNS runs of 32 rows. Narrow layers (at most NARROW_TILES
+# column tiles) take few programs, since every slice lengthens each tile's final sum; wide ones
+# many, so that enough loads are in flight. The winners of bench_quant_gpu.py's `exl2_kernels`
+# sweep on the H100 and the H200 (Llama-3-8B, 4.0 bpw): q|k|v 32 slices, o and down 64, gate|up
+# 32, the 6-bit head 8.
+PROGRAMS_PER_SM = {"narrow": 8, "wide": 32}
+NARROW_TILES = 64
+MIN_RUNS = 2
 QUANTIZE_RUNS = 8  # runs of x per program of `_quantize_kernel`
+# Up to this many tokens the GEMV loads each run's words while multiplying the one before (above,
+# the accumulators of every token take the registers the second set of words would).
+AHEAD_MAX_TOKENS = 4
 
 # ---------------------------------------------------------------------------- Triton kernels
 
@@ -200,12 +214,74 @@ if triton is not None:
         return w0, w1, w2, w3, w4, w5, w6, w7
 
     @triton.jit
-    def _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, BITS: tl.constexpr, ASM: tl.constexpr):
+    def _run_loads(
+        run_ptr, run, ok, w_ptr, w_off, w_stride, s_ptr, m_ptr, s_off, s_stride, m_off, cols, col_ok,
+        MAXBITS: tl.constexpr,
+    ):  # fmt: skip
+        """Everything static a run of the GEMV reads: its bit width, its columns' scales and its
+        `bits` word rows (rows up to MAXBITS, the layer's widest, masked by the run's width: no
+        memory traffic past it), so that they can be issued a run ahead. ok False (past the
+        slice): nothing is read."""
+        word_row = tl.load(run_ptr + 2 * run, mask=ok, other=0)
+        info = tl.load(run_ptr + 2 * run + 1, mask=ok, other=0)
+        bits = info & 15
+        c_ok = col_ok & (tl.zeros_like(cols) + ok.to(tl.int32) > 0)  # (the interpreter cannot AND a scalar bool)
+        scale = _run_scale(s_ptr, m_ptr, s_off, s_stride, m_off, info >> 4, cols, c_ok)
+        wp = w_ptr + w_off + word_row.to(tl.int64) * w_stride + cols
+        w0 = tl.load(wp, mask=c_ok, other=0)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        w4 = w0
+        w5 = w0
+        w6 = w0
+        w7 = w0
+        if MAXBITS > 1:
+            w1 = tl.load(wp + w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 1), other=0)
+        if MAXBITS > 2:
+            w2 = tl.load(wp + 2 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 2), other=0)
+        if MAXBITS > 3:
+            w3 = tl.load(wp + 3 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 3), other=0)
+        if MAXBITS > 4:
+            w4 = tl.load(wp + 4 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 4), other=0)
+        if MAXBITS > 5:
+            w5 = tl.load(wp + 5 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 5), other=0)
+        if MAXBITS > 6:
+            w6 = tl.load(wp + 6 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 6), other=0)
+        if MAXBITS > 7:
+            w7 = tl.load(wp + 7 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 7), other=0)
+        return bits, scale, w0, w1, w2, w3, w4, w5, w6, w7
+
+    @triton.jit
+    def _run_any(
+        acc, bits, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, MAXBITS: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
+        """`_run_gemv` at the run's width (a uniform branch; widths above MAXBITS never occur)."""
+        if bits == 4:
+            acc = _run_gemv(acc, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, 4, ASM)
+        elif bits == 3:
+            acc = _run_gemv(acc, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, 3, ASM)
+        elif bits == 2:
+            acc = _run_gemv(acc, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, 2, ASM)
+        elif bits == 5:
+            if MAXBITS >= 5:
+                acc = _run_gemv(acc, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, 5, ASM)
+        elif bits == 6:
+            if MAXBITS >= 6:
+                acc = _run_gemv(acc, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, 6, ASM)
+        else:
+            if MAXBITS >= 8:
+                acc = _run_gemv(acc, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, 8, ASM)
+        return acc
+
+    @triton.jit
+    def _run_gemv(
+        acc, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, BITS: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
         """acc [MP, BN] += scale * sum over the run's 32 stored rows v of (code - offset) * x[v]:
         per 4 rows one word of code bytes and two `dp4a`, with x's int8 parts (xq: [MP, 16] words,
         `_quantize_kernel`); then dx * (dot1 + dot2 / 254) - offset * sum(x), xf: [MP, 2] (dx,
         sum of the quantized x). 8-bit bytes are code - 128: no offset left to subtract."""
-        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, col_ok, BITS)
         d1 = tl.zeros(acc.shape, dtype=tl.int32)
         d2 = tl.zeros(acc.shape, dtype=tl.int32)
         for j in tl.static_range(8):
@@ -238,11 +314,13 @@ if triton is not None:
                          mask=col_ok & (o_cols * 0 + j0 + v < K))  # fmt: skip
 
     @triton.jit
-    def _tile(meta_ptr, tile_ptr, tile, BN: tl.constexpr):
+    def _tile(meta_ptr, tile_ptr, tile, BN: tl.constexpr, ALIGNED: tl.constexpr):
         """A program tile's shard and its planes' offsets: (shard, w_off, w_stride, s_off,
-        s_stride, m_off, first output column, columns of the tile (index), column ok)."""
+        s_stride, m_off, first output column, columns of the tile (index), column ok). ALIGNED
+        (`EXL2Planes.aligned`): word offsets, strides and column counts are multiples of 4, told
+        to the compiler so that each thread's four columns load as one 16-byte access."""
         shard = tl.load(tile_ptr + 2 * tile)
-        c0 = tl.load(tile_ptr + 2 * tile + 1)
+        c0 = tl.multiple_of(tl.load(tile_ptr + 2 * tile + 1), BN)
         meta = meta_ptr + shard * 8
         w_off = tl.load(meta).to(tl.int64)
         w_stride = tl.load(meta + 1)
@@ -251,6 +329,11 @@ if triton is not None:
         m_off = tl.load(meta + 5)
         col0 = tl.load(meta + 6)
         n_cols = tl.load(meta + 7)
+        if ALIGNED:
+            w_off = tl.multiple_of(w_off, 4)
+            w_stride = tl.multiple_of(w_stride, 4)
+            col0 = tl.multiple_of(col0, 4)
+            n_cols = tl.multiple_of(n_cols, 4)
         cols = c0 + tl.arange(0, BN)
         return shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, cols < n_cols
 
@@ -265,44 +348,49 @@ if triton is not None:
     def _gemv_kernel(
         xq_ptr, xf_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, m_ptr, run_ptr, meta_ptr, tile_ptr,
         M, N, n_runs, runs_per_split,
-        BN: tl.constexpr, MP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        BN: tl.constexpr, MP: tl.constexpr, MAXBITS: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr,
+        ALIGNED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x [M, K] W^T: one program per tile of BN columns (of one shard) and slice
         of runs_per_split runs (grid axis 1; SPLIT: more than one slice, the last program of a
         tile to finish sums the float32 partials). Per run: its bit width picks the unpacking
         (a uniform branch), its group the scales; x comes quantized per run, in stored order
-        (`_quantize_kernel`)."""
+        (`_quantize_kernel`). The first run's loads are issued before `pdl.wait`; AHEAD: each
+        next run's while the current one is multiplied (a program's few runs were a chain of
+        dependent latencies: the run's table, then its words), else after it (registers: the
+        multi-token accumulators)."""
         pdl.release(PDL)
         tile = tl.program_id(0)
         pid_k = tl.program_id(1)
-        shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN)
+        shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN, ALIGNED)
         ms = tl.arange(0, MP)
         m_ok = ms < M
         r0 = pid_k * runs_per_split
         r1 = tl.minimum(r0 + runs_per_split, n_runs)
         acc = tl.zeros((MP, BN), dtype=tl.float32)
+        run = shard * n_runs + r0
+        # the first run's weights are static: in flight before waiting for the kernel that writes x
+        bits_n, scale_n, v0, v1, v2, v3, v4, v5, v6, v7 = _run_loads(
+            run_ptr, run, r0 < r1, w_ptr, w_off, w_stride, s_ptr, m_ptr, s_off, s_stride, m_off, cols, col_ok,
+            MAXBITS,
+        )  # fmt: skip
         pdl.wait(PDL)  # x's parts come from the kernel before
         for r in range(r0, r1):
-            run = shard * n_runs + r
-            word_row = tl.load(run_ptr + 2 * run)
-            info = tl.load(run_ptr + 2 * run + 1)
-            bits = info & 15
-            scale = _run_scale(s_ptr, m_ptr, s_off, s_stride, m_off, info >> 4, cols, col_ok)
-            wp = w_ptr + w_off + word_row.to(tl.int64) * w_stride + cols
+            bits, scale, w0, w1, w2, w3, w4, w5, w6, w7 = bits_n, scale_n, v0, v1, v2, v3, v4, v5, v6, v7
+            if AHEAD:  # the next run's loads in flight while this one is multiplied
+                bits_n, scale_n, v0, v1, v2, v3, v4, v5, v6, v7 = _run_loads(
+                    run_ptr, run + 1, r + 1 < r1, w_ptr, w_off, w_stride, s_ptr, m_ptr, s_off, s_stride, m_off, cols,
+                    col_ok, MAXBITS,
+                )  # fmt: skip
             xq = xq_ptr + run * (16 * MP)
             xf = xf_ptr + run * (2 * MP)
-            if bits == 4:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 4, ASM)
-            elif bits == 3:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 3, ASM)
-            elif bits == 5:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 5, ASM)
-            elif bits == 6:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 6, ASM)
-            elif bits == 2:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 2, ASM)
-            else:
-                acc = _run_gemv(acc, wp, w_stride, col_ok, scale, xq, xf, ms, 8, ASM)
+            acc = _run_any(acc, bits, w0, w1, w2, w3, w4, w5, w6, w7, scale, xq, xf, ms, MAXBITS, ASM)
+            if not AHEAD:
+                bits_n, scale_n, v0, v1, v2, v3, v4, v5, v6, v7 = _run_loads(
+                    run_ptr, run + 1, r + 1 < r1, w_ptr, w_off, w_stride, s_ptr, m_ptr, s_off, s_stride, m_off, cols,
+                    col_ok, MAXBITS,
+                )  # fmt: skip
+            run += 1
         o_cols = col0 + cols
         mask = m_ok[:, None] & col_ok[None, :]
         at = ms[:, None] * N + o_cols[None, :]  # out and the partial planes are [M, N]
@@ -353,13 +441,13 @@ if triton is not None:
     @triton.jit
     def _dequant_kernel(
         out_ptr, w_ptr, s_ptr, m_ptr, run_ptr, perm_ptr, meta_ptr, tile_ptr, K, n_runs, col_a, col_b, stride_o,
-        BN: tl.constexpr, EVEN_K: tl.constexpr,
+        BN: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr,
     ):  # fmt: skip
         """Output columns [col_a, col_b) of W^T, rows in input order, into out [K, col_b - col_a]
         (its dtype): one program per column tile and run."""
         tile = tl.program_id(0)
         r = tl.program_id(1)
-        shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN)
+        shard, w_off, w_stride, s_off, s_stride, m_off, col0, cols, col_ok = _tile(meta_ptr, tile_ptr, tile, BN, ALIGNED)
         o_cols = col0 + cols
         col_ok = col_ok & (o_cols >= col_a) & (o_cols < col_b)
         rp = run_ptr + (shard * n_runs + r) * 2
@@ -414,6 +502,8 @@ class EXL2Planes:
     k: int
     n: int  # output columns of all shards
     block_n: int
+    max_bits: int  # the widest run's bits (the GEMV keeps registers for that many word rows)
+    aligned: bool  # every shard's word-row stride and columns a multiple of 4 (16-byte loads)
     splits: dict[int, int] = field(default_factory=dict)  # GEMV K slices by MP, filled on first use
 
     @property
@@ -530,6 +620,8 @@ def pack(shards: list[Shard], block_n: int | None = None) -> EXL2Planes:
         k=k,
         n=col0,
         block_n=block_n,
+        max_bits=max(bits for s in shards for bits, _, _ in s.groups),
+        aligned=all(s.q_weight.shape[1] % 4 == 0 and s.columns % 4 == 0 for s in shards),
     )
 
 
@@ -575,21 +667,34 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 def gemv_split(planes: EXL2Planes, mp: int = 1) -> int:
     """K slices of the GEMV: the column tiles alone are too few programs for narrow layers (o and
-    down_proj: 16 tiles of 256), so slices of runs are added (a power of two) until the grid
-    reaches PROGRAMS_PER_SM programs per SM or a slice would keep fewer than MIN_RUNS runs."""
+    down_proj: 16 tiles of 256), so slices of runs are added (a power of two) while the grid stays
+    within PROGRAMS_PER_SM programs per SM and each slice keeps MIN_RUNS runs."""
     split = planes.splits.get(mp)
     if split is None:
         tiles, split = planes.tiles.shape[0], 1
-        while tiles * split * 2 <= PROGRAMS_PER_SM * NUM_SMS_GUESS and planes.n_runs // (split * 2) >= MIN_RUNS:
+        per_sm = PROGRAMS_PER_SM["narrow" if tiles <= NARROW_TILES else "wide"]
+        while tiles * split * 2 <= per_sm * NUM_SMS_GUESS and planes.n_runs // (split * 2) >= MIN_RUNS:
             split *= 2
         planes.splits[mp] = split
     return split
 
 
-def gemv(x: torch.Tensor, planes: EXL2Planes, split: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """x [M, K] (contiguous, M <= 16 or so: registers grow with M) -> [M, N] in x's dtype."""
+def gemv_warps(block_n: int, mp: int) -> int:
+    """Four columns a thread (16-byte loads) for one or two tokens; two from four tokens on, where
+    each token's accumulators and dot products take registers (Llama-3-8B o_proj at 4 tokens: 128
+    registers and a spill on 2 warps, 80 on 4)."""
+    return max(1, min(4, block_n // (128 if mp <= 2 else 64)))
+
+
+def gemv(
+    x: torch.Tensor, planes: EXL2Planes, split: int | None = None, num_warps: int | None = None,
+    ahead: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (contiguous, M <= 16 or so: registers grow with M) -> [M, N] in x's dtype; split,
+    num_warps and ahead (loads a run ahead) override the launch rule."""
     m = x.shape[0]
     mp = max(1, triton.next_power_of_2(m))
+    ahead = mp <= AHEAD_MAX_TOKENS if ahead is None else ahead
     n_runs = planes.n_runs
     split = split or gemv_split(planes, mp)
     per_split = -(-n_runs // split)
@@ -608,11 +713,12 @@ def gemv(x: torch.Tensor, planes: EXL2Planes, split: int | None = None, num_warp
     out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
     partials = torch.empty(splits if use_split else 1, m, planes.n, dtype=torch.float32, device=x.device)
     counters = split_k.counters(x.device) if use_split else partials
-    warps = num_warps or max(1, min(4, planes.block_n // 128))
+    warps = num_warps or gemv_warps(planes.block_n, mp)
     _gemv_kernel[(tiles, splits)](
         xq, xf, out, partials, counters, planes.words, planes.scales, planes.smax, planes.runs, planes.meta,
         planes.tiles, m, planes.n, n_runs, per_split,
-        BN=planes.block_n, MP=mp, SPLIT=use_split, ASM=x.is_cuda, num_warps=warps, **pdl.options(x),
+        BN=planes.block_n, MP=mp, MAXBITS=planes.max_bits, SPLIT=use_split, AHEAD=ahead,
+        ALIGNED=planes.aligned, ASM=x.is_cuda, num_warps=warps, **pdl.options(x),
     )  # fmt: skip
     return out
 
@@ -623,7 +729,7 @@ def dequantize_into(planes: EXL2Planes, col_a: int, col_b: int, dst: torch.Tenso
     _dequant_kernel[(planes.tiles.shape[0], planes.n_runs)](
         dst, planes.words, planes.scales, planes.smax, planes.runs, planes.perm, planes.meta, planes.tiles,
         planes.k, planes.n_runs, col_a, col_b, dst.stride(0),
-        BN=planes.block_n, EVEN_K=planes.k % 32 == 0, num_warps=max(1, min(4, planes.block_n // 64)),
+        BN=planes.block_n, EVEN_K=planes.k % 32 == 0, ALIGNED=planes.aligned, num_warps=max(1, min(4, planes.block_n // 64)),
     )  # fmt: skip
 
 
