@@ -22,9 +22,10 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
                  + cuBLAS at 1-16 tokens on gate|up (the crossover, GEMV_MAX_TOKENS)
   ceilings       copy bandwidth (read + write bytes / s), the denominator of "fraction of copy BW"
   bf16           dummy bf16 weights (the baseline of every ratio)
-  gptq, gptq_actorder, awq, ct_w4a16
+  gptq, gptq_actorder, gptq_actorder_sym, awq, ct_w4a16
                  a checkpoint written by scripts/make_random_quant.py (4-bit, group 128; GPTQ v1
-                 symmetric, GPTQ asymmetric with act-order, AutoAWQ GEMM, pack-quantized W4A16)
+                 symmetric, GPTQ asymmetric with act-order, GPTQ symmetric with act-order,
+                 AutoAWQ GEMM, pack-quantized W4A16)
   exl2, exl2_mix EXL2 checkpoints written by scripts/make_random_quant.py: 4.0 bpw (5/4/3-bit
                  groups of 32/64/128 rows), and 2.5 bpw (3/2-bit) layers alternating with 6.0 bpw
                  (8/6/4-bit) ones; 6-bit heads
@@ -75,11 +76,11 @@ from make_random_quant import write as write_random_quant  # noqa: E402
 from paphos import LLM  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("fixtures", "exl2_kernels", "ceilings", "bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "exl2", "exl2_mix",
-            "fp8", "fp8_offline", "bf16_offline", "fp8_offline_kv8", "bf16_offline_kv8")
+SECTIONS = ("fixtures", "exl2_kernels", "ceilings", "bf16", "gptq", "gptq_actorder", "gptq_actorder_sym", "awq",
+            "ct_w4a16", "exl2", "exl2_mix", "fp8", "fp8_offline", "bf16_offline", "fp8_offline_kv8", "bf16_offline_kv8")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
-FORMATS = {"gptq": "gptq", "gptq_actorder": "gptq-actorder", "awq": "awq", "ct_w4a16": "ct-w4a16", "exl2": "exl2",
-           "exl2_mix": "exl2-mix"}
+FORMATS = {"gptq": "gptq", "gptq_actorder": "gptq-actorder", "gptq_actorder_sym": "gptq-actorder-sym", "awq": "awq",
+           "ct_w4a16": "ct-w4a16", "exl2": "exl2", "exl2_mix": "exl2-mix"}
 
 
 class Bench:
@@ -426,7 +427,7 @@ def print_table(results: dict[str, Any]) -> None:
     base = results.get("bf16", {})
     print(f"\n{'':16} {'b1 tok/s':>9} {'x bf16':>7} {'GB/s':>7} {'of copy':>8} {'b16':>8} {'x bf16':>7} "
           f"{'b64':>8} {'pp512':>8} {'GPU GB':>7} {'/file':>6}")  # fmt: skip
-    for name in ("bf16", "gptq", "gptq_actorder", "awq", "ct_w4a16", "exl2", "exl2_mix", "fp8"):
+    for name in ("bf16", "gptq", "gptq_actorder", "gptq_actorder_sym", "awq", "ct_w4a16", "exl2", "exl2_mix", "fp8"):
         r = results.get(name)
         if not r or "batch1" not in r:
             if r:

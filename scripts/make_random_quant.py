@@ -2,13 +2,15 @@
 benchmarks of the GPTQ / AWQ / compressed-tensors / FP8 / EXL2 paths (as make_random_gguf.py does
 for GGUF).
 
-    python scripts/make_random_quant.py OUT_DIR --format gptq|gptq-actorder|awq|ct-w4a16|ct-fp8|exl2|exl2-mix \\
+    python scripts/make_random_quant.py OUT_DIR \\
+        --format gptq|gptq-actorder|gptq-actorder-sym|awq|ct-w4a16|ct-fp8|exl2|exl2-mix \\
         [--config benchmarks/configs/llama-3-8b.json] [--group-size 128] [--seed 0]
 
 The layouts are the ones the real tools write (paphos/quant/gptq.py, awq.py, compressed_tensors.py
-document them): GPTQ v1 4-bit symmetric (`gptq`) or asymmetric with act-order (`gptq-actorder`: one
+document them): GPTQ v1 4-bit symmetric (`gptq`), asymmetric with act-order (`gptq-actorder`: one
 random input permutation per layer input, shared by the projections that read it, as GPTQ's
-Hessian order is), AutoAWQ GEMM 4-bit with zero points, compressed-tensors pack-quantized W4A16
+Hessian order is) or symmetric with act-order (`gptq-actorder-sym`, TheBloke's usual `sym: true,
+desc_act: true`: act-order's cost alone, against `gptq`), AutoAWQ GEMM 4-bit with zero points, compressed-tensors pack-quantized W4A16
 symmetric, compressed-tensors float-quantized FP8 (per-channel scales, dynamic activations), and
 ExLlamaV2's EXL2 (paphos/quant/exl2.py documents it) with bit widths mixed inside each tensor as
 its converter mixes them, groups in descending bits: `exl2` 4.0 bits per weight (a quarter of the
@@ -33,7 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-FORMATS = ("gptq", "gptq-actorder", "awq", "ct-w4a16", "ct-fp8", "exl2", "exl2-mix")
+FORMATS = ("gptq", "gptq-actorder", "gptq-actorder-sym", "awq", "ct-w4a16", "ct-fp8", "exl2", "exl2-mix")
+GPTQ_ACT_ORDER = ("gptq-actorder", "gptq-actorder-sym")
 # EXL2 bit allocations: (bits, rows per group, share of the input rows), descending bits.
 EXL2_MIXES = {
     4.0: ((5, 32, 0.25), (4, 64, 0.5), (3, 128, 0.25)),
@@ -65,8 +68,9 @@ def linear_tensors(fmt: str, name: str, n: int, k: int, group: int, perm: torch.
                    gen: torch.Generator) -> dict[str, torch.Tensor]:  # fmt: skip
     """The checkpoint tensors of one linear `name` (e.g. model.layers.0.mlp.down_proj), [n, k]."""
     groups = -(-k // group)
-    if fmt in ("gptq", "gptq-actorder"):
-        zeros = torch.full((groups, n), 7) if fmt == "gptq" else torch.randint(5, 10, (groups, n), generator=gen)
+    if fmt in ("gptq", *GPTQ_ACT_ORDER):
+        sym = fmt != "gptq-actorder"
+        zeros = torch.full((groups, n), 7) if sym else torch.randint(5, 10, (groups, n), generator=gen)
         g_idx = torch.arange(k, dtype=torch.int32) // group
         if perm is not None:
             g_idx = g_idx[torch.argsort(perm)]  # input row perm[j] is the j-th in group order
@@ -137,9 +141,9 @@ def quantization_config(fmt: str, group: int) -> dict:
     if fmt in ("exl2", "exl2-mix"):
         return {"quant_method": "exl2", "version": "0.3.2", "bits": 4.0 if fmt == "exl2" else 4.25, "head_bits": 6,
                 "calibration": {"rows": 0, "length": 0, "dataset": "random (scripts/make_random_quant.py)"}}  # fmt: skip
-    if fmt in ("gptq", "gptq-actorder"):
-        act = fmt == "gptq-actorder"
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act, "sym": not act,
+    if fmt in ("gptq", *GPTQ_ACT_ORDER):
+        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": fmt in GPTQ_ACT_ORDER,
+                "sym": fmt != "gptq-actorder",
                 "checkpoint_format": "gptq", "lm_head": False}  # fmt: skip
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
@@ -172,7 +176,7 @@ def write(out: Path, config: dict, fmt: str, group: int, seed: int) -> None:
         tensors["lm_head.weight"] = (torch.randn(v, h, generator=gen) * TARGET_STD).to(torch.bfloat16)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        act = fmt == "gptq-actorder"
+        act = fmt in GPTQ_ACT_ORDER
         attn_perm, mlp_perm, down_perm = (torch.randperm(n, generator=gen) if act else None for n in (h, h, f))
         for name, n, k, perm in (
             ("self_attn.q_proj", q, h, attn_perm), ("self_attn.k_proj", kv, h, attn_perm),
