@@ -273,7 +273,7 @@ def _copies(planes: Any, count: int) -> list[Any]:
     """Copies of a layer's planes, cycled through so a timed loop reads memory, not L2."""
     import dataclasses
 
-    return [planes] + [dataclasses.replace(planes, **{n: t.clone() for n, t in planes.tensors().items()}, splits={})
+    return [planes] + [dataclasses.replace(planes, **{n: t.clone() for n, t in planes.tensors().items()}, launches={})
                        for _ in range(count - 1)]  # fmt: skip
 
 
@@ -300,14 +300,15 @@ def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) ->
     w16 = [weight.to(torch.bfloat16) for _ in range(max(1, min(4, math.ceil(200e6 / (n * k * 2)))))]
     t16 = graph_time([lambda w=w: F.linear(x, w) for w in w16])
     del w16
+    split, ahead = te.gemv_launch(planes)
     r: dict[str, Any] = {"gemv_m1": {"us": t * 1e6, "GBps": planes.nbytes() / t / 1e9, "bf16_us": t16 * 1e6,
-                                     "x_bf16": t16 / t, "split": te.gemv_split(planes), "block_n": planes.block_n}}  # fmt: skip
+                                     "x_bf16": t16 / t, "split": split, "ahead": ahead, "block_n": planes.block_n}}  # fmt: skip
     if bench.results.get("copy_bw"):
         r["gemv_m1"]["frac_copy_bw"] = planes.nbytes() / t / bench.results["copy_bw"]
     # every layer: K slices around the rule's, each run's loads issued ahead of its multiply or not;
     # a narrow and a wide layer also: tile width (4 columns per thread, or 8)
     sweep = {}
-    base = te.gemv_split(planes)
+    base = te.gemv_launch(planes)[0]
     for split in sorted({max(1, base // 2), base, base * 2, base * 4}):
         for ahead in (True, False):
             sweep[f"bn{planes.block_n}-s{split}-{'ahead' if ahead else 'after'}"] = round(
@@ -315,9 +316,9 @@ def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) ->
     if name in ("o", "gate_up"):
         for block_n, warps in ((256, 1), (512, 2)):
             tiles = [[i, c0] for i, cols in enumerate(planes.meta[:, 7].tolist()) for c0 in range(0, cols, block_n)]
-            p = dataclasses.replace(planes, block_n=block_n, splits={},
+            p = dataclasses.replace(planes, block_n=block_n, launches={},
                                     tiles=torch.tensor(tiles, dtype=torch.int32, device="cuda"))  # fmt: skip
-            base = te.gemv_split(p)
+            base = te.gemv_launch(p)[0]
             for split in sorted({max(1, base // 2), base, base * 2}):
                 sweep[f"bn{block_n}-w{warps}-s{split}"] = round(gemv_time(p, split, warps) * 1e6, 2)
     r["gemv_m1_sweep_us"] = sweep

@@ -56,18 +56,18 @@ fp16((qs + 1)**2 * smax), the weight fp16(code * scale), both rounded from float
 are exact (codes become floats by the 2**23 mantissa trick: no integer conversion). The GEMV
 computes scale * dx * sum((code - 2**(b-1)) * (q1 + q2 / 254)) per run: the weights unrounded
 (within 2**-12 of the fp16 values) and x to ~15 bits, the integer family's GEMV numerics
-(triton_int.py). CUDA-graph safe: no host syncs, buffers sized by shapes only; split-K partials are summed
-by the last program of each tile (split_k.py); the GEMV uses programmatic dependent launch
-(paphos/layers/pdl.py): a program's first run is loaded before it waits for x, each next run
-while the current one is multiplied (up to AHEAD_MAX_TOKENS tokens). Measured
-(benchmarks/bench_quant_gpu.py `exl2_kernels`; 4.0 bpw, batch 1, CUDA-graph replays, against
-bf16 cuBLAS; the sweep's best launch per shape, which the split rule now picks): H100, a
-Llama-3-8B layer's four linears 80.9 us against 162.4 (2.0x; 89.4 before the loads ahead, the
-16-byte loads and the unrolled final sum: q|k|v 17.1 -> 14.0, o 14.4 -> 11.0, down 25.4 -> 20.9
-us), the 6-bit head 141 us (2.7x bf16, 0.96 of copy bandwidth at its best split); H200 (before
-the 16-byte loads) q|k|v 15.9 -> 11.2, o 14.1 -> 12.4 us. The narrow layers still run at 20-30 %
-of copy bandwidth: each is a chain of dependent latencies (the quantizing launch, x, one or two
-runs, the split-K sum) more than a stream of bytes.
+(triton_int.py). CUDA-graph safe: no host syncs, buffers sized by shapes only; split-K partials
+are summed by the last program of each tile (split_k.py); the GEMV uses programmatic dependent
+launch (paphos/layers/pdl.py): a program's first run is loaded before it waits for x, and (by
+GEMV_CLASSES, up to AHEAD_MAX_TOKENS tokens) each next run while the current one is multiplied.
+Measured (benchmarks/bench_quant_gpu.py `exl2_kernels`; 4.0 bpw, batch 1, CUDA-graph replays,
+against bf16 cuBLAS, at the launch GEMV_CLASSES picks): H100, a Llama-3-8B layer's four linears
+76.7 us against 162.4 (2.1x; 89.4 before the loads ahead, the 16-byte loads and the unrolled
+final sum: q|k|v 17.1 -> 14.0, o 14.4 -> 11.0, gate|up 32.6 -> 30.9, down 25.4 -> 20.9 us), the
+6-bit head 141 us (2.7x bf16); H200 (before the 16-byte loads) a layer 83.3 -> 74.5 us (1.53x
+bf16's 114.4). Engine, H100: 311.4 tok/s at batch 1 against bf16's 160.5 (1.94x; 274.5 before).
+The narrow layers still run at 20-30 % of copy bandwidth: each is a chain of dependent latencies
+(the quantizing launch, x, one or two runs, the split-K sum) more than a stream of bytes.
 """
 
 from __future__ import annotations
@@ -99,14 +99,17 @@ META = 8  # int32 entries per shard in `meta`
 # 148 against 199 us, H100).
 GEMV_MAX_TOKENS = 16
 NUM_SMS_GUESS = 132
-# Split-K: K slices (a power of two) are added while the grid stays within this many programs per
-# SM, each slice keeping at least MIN_RUNS runs of 32 rows. Narrow layers (at most NARROW_TILES
-# column tiles) take few programs, since every slice lengthens each tile's final sum; wide ones
-# many, so that enough loads are in flight. The winners of bench_quant_gpu.py's `exl2_kernels`
-# sweep on the H100 and the H200 (Llama-3-8B, 4.0 bpw): q|k|v 32 slices, o and down 64, gate|up
-# 32, the 6-bit head 8.
-PROGRAMS_PER_SM = {"narrow": 8, "wide": 32}
-NARROW_TILES = 64
+# The GEMV's launch by the layer's column tiles (GEMV_CLASSES: up to max_tiles tiles, the grid's
+# programs per SM, whether each run's loads go out while the one before is multiplied): K slices
+# (a power of two) are added while the grid stays within that many programs per SM and each slice
+# keeps at least MIN_RUNS runs of 32 rows. Narrow layers take few programs, since every slice
+# lengthens each tile's final sum; mid-width ones 16 a SM without loads ahead (which take 96
+# registers instead of 66: 16 no longer fit one wave), wide ones (heads) many, with long slices,
+# where loads ahead matter most. The winners of bench_quant_gpu.py's `exl2_kernels` sweep on the
+# H100 and the H200 (Llama-3-8B, 4.0 bpw): q|k|v 32 slices, o and down 64 (ahead), gate|up 16
+# (not ahead: 27.8 / 30.9 us on H200 / H100 against 29.9 / 35.1 at 32 slices ahead), the 6-bit
+# head 8 (ahead).
+GEMV_CLASSES = ((64, 8, True), (256, 16, False), (1 << 30, 32, True))
 MIN_RUNS = 2
 QUANTIZE_RUNS = 8  # runs of x per program of `_quantize_kernel`
 # Up to this many tokens the GEMV loads each run's words while multiplying the one before (above,
@@ -504,7 +507,7 @@ class EXL2Planes:
     block_n: int
     max_bits: int  # the widest run's bits (the GEMV keeps registers for that many word rows)
     aligned: bool  # every shard's word-row stride and columns a multiple of 4 (16-byte loads)
-    splits: dict[int, int] = field(default_factory=dict)  # GEMV K slices by MP, filled on first use
+    launches: dict[int, tuple[int, bool]] = field(default_factory=dict)  # GEMV (K slices, ahead) by MP
 
     @property
     def n_runs(self) -> int:
@@ -665,18 +668,17 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def gemv_split(planes: EXL2Planes, mp: int = 1) -> int:
-    """K slices of the GEMV: the column tiles alone are too few programs for narrow layers (o and
-    down_proj: 16 tiles of 256), so slices of runs are added (a power of two) while the grid stays
-    within PROGRAMS_PER_SM programs per SM and each slice keeps MIN_RUNS runs."""
-    split = planes.splits.get(mp)
-    if split is None:
+def gemv_launch(planes: EXL2Planes, mp: int = 1) -> tuple[int, bool]:
+    """The GEMV's K slices and whether it loads a run ahead, by the layer's column tiles
+    (GEMV_CLASSES; loads ahead only up to AHEAD_MAX_TOKENS tokens, MP padded)."""
+    launch = planes.launches.get(mp)
+    if launch is None:
         tiles, split = planes.tiles.shape[0], 1
-        per_sm = PROGRAMS_PER_SM["narrow" if tiles <= NARROW_TILES else "wide"]
+        _, per_sm, ahead = next(c for c in GEMV_CLASSES if tiles <= c[0])
         while tiles * split * 2 <= per_sm * NUM_SMS_GUESS and planes.n_runs // (split * 2) >= MIN_RUNS:
             split *= 2
-        planes.splits[mp] = split
-    return split
+        planes.launches[mp] = launch = (split, ahead and mp <= AHEAD_MAX_TOKENS)
+    return launch
 
 
 def gemv_warps(block_n: int, mp: int) -> int:
@@ -694,9 +696,10 @@ def gemv(
     num_warps and ahead (loads a run ahead) override the launch rule."""
     m = x.shape[0]
     mp = max(1, triton.next_power_of_2(m))
-    ahead = mp <= AHEAD_MAX_TOKENS if ahead is None else ahead
     n_runs = planes.n_runs
-    split = split or gemv_split(planes, mp)
+    rule_split, rule_ahead = gemv_launch(planes, mp)
+    split = split or rule_split
+    ahead = rule_ahead if ahead is None else ahead
     per_split = -(-n_runs // split)
     splits = -(-n_runs // per_split)
     tiles = planes.tiles.shape[0]
