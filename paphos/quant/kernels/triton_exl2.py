@@ -189,10 +189,10 @@ if triton is not None:
         return (f * scale).to(tl.float16).to(tl.float32)
 
     @triton.jit
-    def _load_words(wp, w_stride, col_ok, BITS: tl.constexpr):
-        """A run's BITS word rows for the program's columns, int32 (the rest alias row 0 and are
-        never read)."""
-        w0 = tl.load(wp, mask=col_ok, other=0)
+    def _load_words(wp, w_stride, mask, bits, ROWS: tl.constexpr):
+        """Word rows 0 .. ROWS - 1 of a run for the program's columns, int32; rows at or past
+        `bits` masked off (no memory traffic), rows past ROWS alias row 0 (never read)."""
+        w0 = tl.load(wp, mask=mask, other=0)
         w1 = w0
         w2 = w0
         w3 = w0
@@ -200,20 +200,21 @@ if triton is not None:
         w5 = w0
         w6 = w0
         w7 = w0
-        if BITS > 1:
-            w1 = tl.load(wp + w_stride, mask=col_ok, other=0)
-        if BITS > 2:
-            w2 = tl.load(wp + 2 * w_stride, mask=col_ok, other=0)
-        if BITS > 3:
-            w3 = tl.load(wp + 3 * w_stride, mask=col_ok, other=0)
-        if BITS > 4:
-            w4 = tl.load(wp + 4 * w_stride, mask=col_ok, other=0)
-        if BITS > 5:
-            w5 = tl.load(wp + 5 * w_stride, mask=col_ok, other=0)
-        if BITS > 6:
-            w6 = tl.load(wp + 6 * w_stride, mask=col_ok, other=0)
-        if BITS > 7:
-            w7 = tl.load(wp + 7 * w_stride, mask=col_ok, other=0)
+        width = tl.zeros(mask.shape, tl.int32) + bits  # (the interpreter cannot AND a scalar bool)
+        if ROWS > 1:
+            w1 = tl.load(wp + w_stride, mask=mask & (width > 1), other=0)
+        if ROWS > 2:
+            w2 = tl.load(wp + 2 * w_stride, mask=mask & (width > 2), other=0)
+        if ROWS > 3:
+            w3 = tl.load(wp + 3 * w_stride, mask=mask & (width > 3), other=0)
+        if ROWS > 4:
+            w4 = tl.load(wp + 4 * w_stride, mask=mask & (width > 4), other=0)
+        if ROWS > 5:
+            w5 = tl.load(wp + 5 * w_stride, mask=mask & (width > 5), other=0)
+        if ROWS > 6:
+            w6 = tl.load(wp + 6 * w_stride, mask=mask & (width > 6), other=0)
+        if ROWS > 7:
+            w7 = tl.load(wp + 7 * w_stride, mask=mask & (width > 7), other=0)
         return w0, w1, w2, w3, w4, w5, w6, w7
 
     @triton.jit
@@ -231,28 +232,7 @@ if triton is not None:
         c_ok = col_ok & (tl.zeros_like(cols) + ok.to(tl.int32) > 0)  # (the interpreter cannot AND a scalar bool)
         scale = _run_scale(s_ptr, m_ptr, s_off, s_stride, m_off, info >> 4, cols, c_ok)
         wp = w_ptr + w_off + word_row.to(tl.int64) * w_stride + cols
-        w0 = tl.load(wp, mask=c_ok, other=0)
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        w4 = w0
-        w5 = w0
-        w6 = w0
-        w7 = w0
-        if MAXBITS > 1:
-            w1 = tl.load(wp + w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 1), other=0)
-        if MAXBITS > 2:
-            w2 = tl.load(wp + 2 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 2), other=0)
-        if MAXBITS > 3:
-            w3 = tl.load(wp + 3 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 3), other=0)
-        if MAXBITS > 4:
-            w4 = tl.load(wp + 4 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 4), other=0)
-        if MAXBITS > 5:
-            w5 = tl.load(wp + 5 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 5), other=0)
-        if MAXBITS > 6:
-            w6 = tl.load(wp + 6 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 6), other=0)
-        if MAXBITS > 7:
-            w7 = tl.load(wp + 7 * w_stride, mask=c_ok & (tl.zeros_like(cols) + bits > 7), other=0)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, c_ok, bits, MAXBITS)
         return bits, scale, w0, w1, w2, w3, w4, w5, w6, w7
 
     @triton.jit
@@ -304,7 +284,7 @@ if triton is not None:
         out_ptr, stride_o, o_cols, wp, w_stride, col_ok, scale, pp, j0, K, BITS: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         """The run's 32 stored rows v of the program's columns into out[perm[j0 + v], o_cols]."""
-        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, col_ok, BITS)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _load_words(wp, w_stride, col_ok, BITS, BITS)
         for v in tl.static_range(32):
             w = _weight(_code_at(w0, w1, w2, w3, w4, w5, w6, w7, v, BITS), scale, BITS)
             if EVEN_K:
