@@ -340,8 +340,9 @@ if triton is not None:
         (a uniform branch), its group the scales; x comes quantized per run, in stored order
         (`_quantize_kernel`). The first run's loads are issued before `pdl.wait`; AHEAD: each
         next run's while the current one is multiplied (a program's few runs were a chain of
-        dependent latencies: the run's table, then its words), else after it (registers: the
-        multi-token accumulators)."""
+        dependent latencies: the run's table, then its words), else after it (where the second
+        set of words costs residency: several tokens' accumulators, or the mid-width layers'
+        grids of 16 programs per SM; `gemv_launch`)."""
         pdl.release(PDL)
         tile = tl.program_id(0)
         pid_k = tl.program_id(1)
