@@ -258,15 +258,15 @@ def _exl2_layer(shapes: list[tuple[int, int]], mix: Any, gen: torch.Generator, b
     from make_random_quant import exl2_tensors
 
     from paphos.quant.exl2 import CHECKPOINT_TENSORS, _group_tuples, check_tensors, dequantize
-    from paphos.quant.kernels import triton_exl2 as te
+    from paphos.quant.kernels import exl2_layout
 
     shards, weights = [], []
     for n, k in shapes:
         t = {name.rsplit(".", 1)[1]: v.cuda() for name, v in exl2_tensors("w", n, k, mix, gen).items()}
         groups = _group_tuples(check_tensors(*(t[name] for name in CHECKPOINT_TENSORS)))
-        shards.append(te.Shard(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_invperm"], groups, n))
+        shards.append(exl2_layout.Shard(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_invperm"], groups, n))
         weights.append(dequantize(*(t[name] for name in CHECKPOINT_TENSORS))[:n])
-    return te.pack(shards, block_n), torch.cat(weights)
+    return exl2_layout.pack(shards, block_n), torch.cat(weights)
 
 
 def _copies(planes: Any, count: int) -> list[Any]:
@@ -340,6 +340,7 @@ def _exl2_timings(bench: Bench, name: str, planes: Any, weight: torch.Tensor) ->
 def section_exl2_kernels(bench: Bench) -> dict[str, Any]:
     from make_random_quant import EXL2_HEAD, EXL2_MIXES
 
+    from paphos.quant.kernels import exl2_layout
     from paphos.quant.kernels import triton_exl2 as te
 
     c = bench.config
@@ -357,7 +358,7 @@ def section_exl2_kernels(bench: Bench) -> dict[str, Any]:
         mix = EXL2_HEAD if name == "head" else EXL2_MIXES[float(bpw)]
         planes, weight = _exl2_layer(shapes, mix, gen)
         n, k = weight.shape
-        r: dict[str, Any] = {"shape": [n, k], "bits_per_weight_on_gpu": te.bits_per_weight(planes)}
+        r: dict[str, Any] = {"shape": [n, k], "bits_per_weight_on_gpu": exl2_layout.bits_per_weight(planes)}
         for dtype in (torch.bfloat16, torch.float16):
             wt = torch.empty(k, n, dtype=dtype, device="cuda")
             te.dequantize_into(planes, 0, n, wt)

@@ -5,12 +5,12 @@ Data flow: registry.select -> `EXL2Config.from_quant_config(qc)` -> every decode
 the method's loader, which keeps it per shard -> `process_weights_after_loading` checks each
 shard's tensors against each other (`check_tensors`) and then either
   - on CUDA with fp16 / bf16 activations: packs every shard into one set of planes for the Triton
-    kernels (paphos/quant/kernels/triton_exl2.py: the checkpoint's bit streams and 4-bit scale
-    codes as written, a per-run table of bit widths and groups, the permutation applied to x, one
-    launch per merged layer; its docstring gives the layout and why), -> `triton_exl2.matmul`
-    every step: a GEMV that decodes each weight once for up to GEMV_MAX_TOKENS tokens, above that
-    dequantization into the shared scratch buffer + cuBLAS; start-up logs "Using EXL2 kernels for
-    N layers". The first layer packed checks the kernels against its decoded weight once per
+    kernels (paphos/quant/kernels/exl2_layout.py: the checkpoint's codes re-laid in bit planes and
+    its 4-bit scale codes as written, a per-run table of bit widths and groups, the permutation
+    applied to x, one launch per merged layer; its docstring gives the layout and why), ->
+    `triton_exl2.matmul` every step: a GEMV that decodes each weight once for up to
+    GEMV_MAX_TOKENS tokens, above that dequantization into the shared scratch buffer + cuBLAS;
+    start-up logs "Using EXL2 kernels for N layers". The first layer packed checks the kernels against its decoded weight once per
     device and dtype (`_self_check`); if they disagree or fail to compile, every layer takes the
     dense path below, with the reason logged;
   - elsewhere (the CPU, float32 models, a layout the kernels do not take: 1- or 7-bit groups, a
@@ -307,7 +307,7 @@ class EXL2LinearMethod:
         # A row-parallel rank's checkpoint tensors as loaded, until all five are in (its stored
         # rows depend on q_groups, q_weight and q_invperm; the file's order is not fixed).
         self.whole: dict[str, torch.Tensor] = {}
-        self.planes: Any = None  # triton_exl2.EXL2Planes once packed for the kernels
+        self.planes: Any = None  # exl2_layout.EXL2Planes once packed for the kernels
         self.inputs: torch.Tensor | None = None  # a row-parallel rank's columns of the whole x
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
@@ -373,7 +373,7 @@ class EXL2LinearMethod:
 
     def _kernel_problem(self, shards: list[dict[str, Any]], device: torch.device) -> str | None:
         """Why this layer is dequantized at load rather than run by the EXL2 kernels, or None."""
-        from paphos.quant.kernels import triton_exl2
+        from paphos.quant.kernels import exl2_layout, triton_exl2
 
         if device.type != "cuda":
             return f"dequantized at load (no EXL2 kernel on {device.type})"
@@ -382,17 +382,17 @@ class EXL2LinearMethod:
         if not triton_exl2.supports(device, self.params_dtype):
             return "dequantized at load (the EXL2 kernels need Triton and a GPU of compute capability 8.0 or later)"
         k = shards[0]["q_invperm"].numel()  # the layer's inputs; a row-parallel rank's: its stored rows
-        problem = triton_exl2.unsupported([_group_tuples(s["groups"]) for s in shards], k)
+        problem = exl2_layout.unsupported([_group_tuples(s["groups"]) for s in shards], k)
         return None if problem is None else f"dequantized at load ({problem})"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         shards = self._shard_tensors()
         reason = self._kernel_problem(shards, shards[0]["q_weight"].device)
         if reason is None:
-            from paphos.quant.kernels import triton_exl2
+            from paphos.quant.kernels import exl2_layout, triton_exl2
 
-            planes = triton_exl2.pack([
-                triton_exl2.Shard(s["q_weight"], s["q_scale"], s["q_scale_max"], s["q_invperm"], _group_tuples(s["groups"]), c.length)
+            planes = exl2_layout.pack([
+                exl2_layout.Shard(s["q_weight"], s["q_scale"], s["q_scale_max"], s["q_invperm"], _group_tuples(s["groups"]), c.length)
                 for s, c in zip(shards, self.columns, strict=True)
             ])  # fmt: skip
             if _self_check(planes, lambda: self._dense(shards, torch.float32), self.params_dtype):

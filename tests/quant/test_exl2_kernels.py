@@ -1,10 +1,7 @@
 """EXL2's Triton kernels (paphos/quant/kernels/triton_exl2.py) against exl2.dequantize, the oracle
 that equals exllamav2's own reconstruction bit for bit.
 
-- `pack` keeps the checkpoint's bytes and `reference_weight` (the torch reading of the planes)
-  equals `dequantize` exactly: every bit width 2..8 the kernels take, mixed 32/64/128-row groups,
-  K not a multiple of 32 (a short last run), padded output columns, merged shards with their own
-  groups and permutations.
+The planes they read are tested in test_exl2_layout.py.
 - The kernels under the interpreter (TRITON_INTERPRET=1, tiny shapes): the dequantize kernel
   bit-exact (float32 out; a column window as the scratch buffer's chunks use); the GEMV within
   1e-5 of max|ref| (float32 products of the same fp16 weights, only the summation order differs)
@@ -27,9 +24,11 @@ import torch
 
 import paphos.quant.kernels.triton_exl2  # noqa: F401 - imported compiled first, so `interpreted` reloads it
 from paphos.layers.linear import Linear, QKVLinear
-from paphos.quant.exl2 import EXL2Config, EXL2LinearMethod, dequantize, parse_groups
+from paphos.quant.exl2 import EXL2Config, EXL2LinearMethod
+from paphos.quant.kernels import exl2_layout
 from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
-from tests.quant.test_exl2 import QC, Encoded, quantize, random_encoded
+from tests.quant.test_exl2 import QC, random_encoded
+from tests.quant.test_exl2_layout import _layer, _shard
 from tests.triton_interpreted import interpreted
 
 _MODULES = ("paphos.layers.pdl", "paphos.quant.kernels.split_k", "paphos.quant.kernels.triton_exl2")
@@ -41,65 +40,12 @@ def te() -> Iterator[object]:
         yield module
 
 
-def _shard(te, enc: Encoded, columns: int) -> object:  # noqa: ANN001
-    t = enc.tensors
-    groups = parse_groups(t["q_groups"], t["q_weight"].shape[0], t["q_invperm"].numel())
-    return te.Shard(t["q_weight"], t["q_scale"], t["q_scale_max"], t["q_invperm"],
-                    [(g.bits, g.words.start, g.rows.start) for g in groups], columns)  # fmt: skip
-
-
-def _layer(k: int, seed: int) -> tuple[list[tuple[Encoded, int]], torch.Tensor]:
-    """A merged layer of three shards over K inputs: 8/6/5/4/3/2-bit groups, 3-bit only, and a
-    40-column shard padded to 64 columns (as the converter writes it) in 5/4/2 bits."""
-    gen = torch.Generator().manual_seed(seed)
-    shards = [
-        (random_encoded(64, k, gen, (8, 6, 5, 4, 3, 2)), 64),
-        (random_encoded(32, k, gen, (3,)), 32),
-        (quantize(torch.randn(40, k, generator=gen), gen, (5, 4, 2)), 40),
-    ]
-    weight = torch.cat([dequantize(**enc.tensors)[:cols] for enc, cols in shards])
-    return shards, weight
-
-
-@pytest.mark.parametrize("k", [200, 256])
-def test_pack_keeps_the_bytes_and_the_values(te, k: int) -> None:  # noqa: ANN001
-    shards, weight = _layer(k, k)
-    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
-    assert planes.n == 136 and planes.k == k
-    assert torch.equal(te.reference_weight(planes), weight)
-    checkpoint = sum(t.numel() * t.element_size() for enc, _ in shards for t in enc.tensors.values())
-    runs = -(-k // 32)
-    # the run table (8 bytes per 32 inputs) replaces q_groups; a short last run is padded to
-    # `bits` words; everything else keeps its bytes
-    q_groups = sum(enc.tensors["q_groups"].numel() * 2 for enc, _ in shards)
-    padding = 0
-    for (enc, _), shard_runs in zip(shards, planes.runs.tolist(), strict=True):
-        bits = shard_runs[-1][1] & 15
-        padding += (bits - -(-(k % 32 or 32) * bits // 32)) * enc.tensors["q_weight"].shape[1] * 4
-    assert (padding > 0) == (k % 32 != 0)
-    expected = checkpoint - q_groups + padding + 3 * runs * 8 + 3 * 8 * 4 + planes.tiles.numel() * 4
-    assert planes.nbytes() == expected
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
-def test_every_bit_width_reads_back(te, bits: int) -> None:  # noqa: ANN001
-    enc = random_encoded(32, 96, torch.Generator().manual_seed(bits), (bits,))
-    planes = te.pack([_shard(te, enc, 32)])
-    assert torch.equal(te.reference_weight(planes), dequantize(**enc.tensors))
-
-
-def test_unsupported_layouts_are_named(te) -> None:  # noqa: ANN001
-    assert te.unsupported([[(4, 0, 0), (3, 16, 128)]], 160) is None
-    assert "7-bit groups" in te.unsupported([[(7, 0, 0)]], 64)
-    assert "a group of 16 rows at row 0" in te.unsupported([[(8, 0, 0), (4, 4, 16)]], 48)
-
-
 @pytest.mark.parametrize("k", [200, 256])
 def test_dequantize_kernel_is_exact(te, k: int) -> None:  # noqa: ANN001
     """W^T in input order, every shard's own permutation undone; a column window lands at
     column 0 of its buffer."""
     shards, weight = _layer(k, 10 + k)
-    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
+    planes = exl2_layout.pack([_shard(enc, cols) for enc, cols in shards], block_n=32)
     out = torch.full((k, planes.n), float("nan"))
     te.dequantize_into(planes, 0, planes.n, out)
     assert torch.equal(out, weight.t())
@@ -114,7 +60,7 @@ def test_gemv_matches_reference(te, k: int) -> None:  # noqa: ANN001
     from paphos.quant.kernels import split_k
 
     shards, weight = _layer(k, 20 + k)
-    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
+    planes = exl2_layout.pack([_shard(enc, cols) for enc, cols in shards], block_n=32)
     gen = torch.Generator().manual_seed(k)
     counters = split_k.counters(torch.device("cpu"))
     for m, split in ((1, 1), (1, 3), (3, 2)):
@@ -132,7 +78,7 @@ def test_matmul_in_bf16(te, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: A
     from paphos.quant.gguf import triton_gguf
 
     shards, weight = _layer(96, 30)
-    planes = te.pack([_shard(te, enc, cols) for enc, cols in shards], block_n=32)
+    planes = exl2_layout.pack([_shard(enc, cols) for enc, cols in shards], block_n=32)
     monkeypatch.setattr(te, "GEMV_MAX_TOKENS", 2)
     monkeypatch.setattr(triton_gguf, "_SCRATCH", {})
     monkeypatch.setattr(triton_gguf, "SCRATCH_ELEMS", 48 * 96)

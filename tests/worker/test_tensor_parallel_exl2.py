@@ -42,10 +42,12 @@ from paphos.quant.exl2 import (
     split_stored_rows,
     stored_rows,
 )
+from paphos.quant.kernels import exl2_layout
 from tests.engine.conftest import _build
 from tests.quant.test_checkpoint_parity import checkpoint, dense_weight
 from tests.quant.test_exl2 import QC, Encoded, encode, random_encoded, write_exl2
-from tests.quant.test_exl2_kernels import _MODULES, _shard
+from tests.quant.test_exl2_kernels import _MODULES
+from tests.quant.test_exl2_layout import _shard
 from tests.triton_interpreted import interpreted
 from tests.worker.test_tensor_parallel import ENGINE, _assert_same, _workload
 from tests.worker.test_tensor_parallel_formats import KINDS, _head, _layer, _model, _rank_slice
@@ -192,9 +194,9 @@ def test_kernels_on_a_ranks_output_columns(te) -> None:  # noqa: ANN001
     enc = _layout(50)
     columns = Slice(20, 25, 64)
     part = {name: output_columns(name, t, columns) for name, t in enc.tensors.items()}
-    planes = te.pack([_shard(te, Encoded(part, enc.weight), 25)])
+    planes = exl2_layout.pack([_shard(Encoded(part, enc.weight), 25)])
     weight = dequantize(**enc.tensors)[20:45]
-    assert torch.equal(dequantize(**part), weight) and torch.equal(te.reference_weight(planes), weight)
+    assert torch.equal(dequantize(**part), weight) and torch.equal(exl2_layout.reference_weight(planes), weight)
     out = torch.full((200, 25), float("nan"))
     te.dequantize_into(planes, 0, 25, out)
     assert torch.equal(out, weight.t())
@@ -214,7 +216,7 @@ def test_kernels_on_a_ranks_stored_rows(te) -> None:  # noqa: ANN001
     total = torch.zeros(2, 64, dtype=torch.float64)
     for rows in split_stored_rows(groups, 2):
         part, inputs = stored_rows(t, groups, rows)
-        planes = te.pack([_shard(te, Encoded(part, enc.weight), 64)])
+        planes = exl2_layout.pack([_shard(Encoded(part, enc.weight), 64)])
         k = rows[1] - rows[0]
         out = torch.full((k, 64), float("nan"))
         te.dequantize_into(planes, 0, 64, out)
