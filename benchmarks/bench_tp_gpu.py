@@ -41,24 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_gpu import engine_steps, random_prompts  # noqa: E402
+from bench_gpu import engine_steps, random_prompts, write_synthetic_tokenizer  # noqa: E402
 
 from paphos import LLM  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
-
-
-def write_synthetic_tokenizer(directory: Path, vocab_size: int, eos_id: int) -> None:
-    """One token per id (dummy models need a tokenizer; detokenizing stays in the measurement)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"t{eos_id}", "model_max_length": 1 << 20,
-    }))
 
 
 def nccl_share(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float | None:
