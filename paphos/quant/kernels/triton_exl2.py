@@ -147,32 +147,26 @@ if triton is not None:
         return (f * scale).to(tl.float16).to(tl.float32)
 
     @triton.jit
+    def _word_row(wp, w_stride, mask, width, ROW: tl.constexpr, ROWS: tl.constexpr, row0):
+        """Word row ROW of a run (masked off at or past the run's width: no memory traffic), or
+        row0 where ROW >= ROWS (never read)."""
+        if ROW < ROWS:
+            return tl.load(wp + ROW * w_stride, mask=mask & (width > ROW), other=0)
+        return row0
+
+    @triton.jit
     def _load_words(wp, w_stride, mask, bits, ROWS: tl.constexpr):
         """Word rows 0 .. ROWS - 1 of a run for the program's columns, int32; rows at or past
         `bits` masked off (no memory traffic), rows past ROWS alias row 0 (never read)."""
         w0 = tl.load(wp, mask=mask, other=0)
-        w1 = w0
-        w2 = w0
-        w3 = w0
-        w4 = w0
-        w5 = w0
-        w6 = w0
-        w7 = w0
         width = tl.zeros(mask.shape, tl.int32) + bits  # (the interpreter cannot AND a scalar bool)
-        if ROWS > 1:
-            w1 = tl.load(wp + w_stride, mask=mask & (width > 1), other=0)
-        if ROWS > 2:
-            w2 = tl.load(wp + 2 * w_stride, mask=mask & (width > 2), other=0)
-        if ROWS > 3:
-            w3 = tl.load(wp + 3 * w_stride, mask=mask & (width > 3), other=0)
-        if ROWS > 4:
-            w4 = tl.load(wp + 4 * w_stride, mask=mask & (width > 4), other=0)
-        if ROWS > 5:
-            w5 = tl.load(wp + 5 * w_stride, mask=mask & (width > 5), other=0)
-        if ROWS > 6:
-            w6 = tl.load(wp + 6 * w_stride, mask=mask & (width > 6), other=0)
-        if ROWS > 7:
-            w7 = tl.load(wp + 7 * w_stride, mask=mask & (width > 7), other=0)
+        w1 = _word_row(wp, w_stride, mask, width, 1, ROWS, w0)
+        w2 = _word_row(wp, w_stride, mask, width, 2, ROWS, w0)
+        w3 = _word_row(wp, w_stride, mask, width, 3, ROWS, w0)
+        w4 = _word_row(wp, w_stride, mask, width, 4, ROWS, w0)
+        w5 = _word_row(wp, w_stride, mask, width, 5, ROWS, w0)
+        w6 = _word_row(wp, w_stride, mask, width, 6, ROWS, w0)
+        w7 = _word_row(wp, w_stride, mask, width, 7, ROWS, w0)
         return w0, w1, w2, w3, w4, w5, w6, w7
 
     @triton.jit
