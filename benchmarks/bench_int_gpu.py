@@ -57,6 +57,7 @@ from timing import copy_bandwidth, graph_time  # noqa: E402
 from paphos.layers import pdl  # noqa: E402
 from paphos.quant.kernels import int_layout  # noqa: E402
 from paphos.quant.kernels import triton_int as ti  # noqa: E402
+from paphos.quant.kernels import triton_int_i8 as ti8  # noqa: E402
 from paphos.quant.kernels.int_layout import IntSpec  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -79,6 +80,10 @@ GEMM_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 
               (64, 256, 4, 3)]  # fmt: skip
 SPLIT_TARGETS = (1, 2, 4, 0)
 SWEEP_MS = (4, 16, 64)
+# int8 tensor-core kernel (triton_int_i8.py): (rows, warps, stages) per program, and programs per
+# SM its K split aims at
+I8_TILES = [(64, 4, 4), (64, 4, 3), (64, 4, 6), (64, 8, 4), (128, 8, 4), (128, 4, 4)]
+I8_TARGETS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -89,9 +94,13 @@ class Candidate:
     path: str
     gemv: ti.GemvConfig | None = None
     gemm: ti.GemmConfig | None = None
+    i8: ti8.I8Config | None = None
 
     @property
     def label(self) -> str:
+        if self.i8:
+            c = self.i8
+            return f"{self.path}:m{c.block_m}n{c.block_n}s{c.split_k}w{c.num_warps}st{c.num_stages}"
         if self.gemv:
             c = self.gemv
             return f"{self.path}:{c.block_n}/{c.num_warps}/{c.rows_per_program}"
@@ -147,7 +156,17 @@ def candidates(spec: IntSpec, m: int, sweep: bool) -> list[Candidate]:
     bm = min(128, max(16, 1 << (m - 1).bit_length()))
     if 2 < m <= 128:
         out.append(Candidate("gemm", gemm=old_gemm(spec, m)))
-    if m in SWEEP_MS and m <= 128:
+        out.append(Candidate("gemm", gemm=ti.gemm_config(spec, m)))
+        if ti8.supports(spec):
+            out.append(Candidate("i8", i8=ti8.i8_config(spec, m)))
+    if m in SWEEP_MS and m <= 128 and ti8.supports(spec):
+        base = ti8.i8_config(spec, m)
+        for bn, warps, stages in I8_TILES:
+            for target in I8_TARGETS:
+                cfg = dataclasses.replace(ti8.i8_config(spec, m, target, bn), num_warps=warps, num_stages=stages)
+                if cfg != base and not any(c.i8 == cfg for c in out):
+                    out.append(Candidate("i8", i8=cfg))
+    if m in SWEEP_MS and m <= 128 and not ti8.supports(spec):  # the int8 kernel's layers: its sweep above
         for bn, bk, warps, stages in GEMM_TILES:
             if bm * bn > 64 * 128:  # the accumulator alone would fill the registers
                 continue
@@ -177,6 +196,8 @@ def runner(
         return lambda: ti.gemv(x, planes, spec, c.gemv, xq)
     if c.path == "gemm":
         return lambda: ti.gemm(x, planes, spec, c.gemm)
+    if c.path == "i8":
+        return lambda: ti8.matmul(x, planes, spec, c.i8)
     if c.path == "dequant":
         return lambda: ti.dequant_matmul(x, planes, spec)
     raise ValueError(c.path)
@@ -217,7 +238,8 @@ def precompile(work: list[tuple[str, str, int, Candidate]], workers: int) -> dic
     any K split: the split count is a launch argument, not a compile)."""
     groups: dict[tuple[str, object], list[tuple[str, int, Candidate]]] = {}
     for spec_name, shape, m, c in work:
-        cfg = dataclasses.replace(c.gemm, split_k=min(c.gemm.split_k, 2)) if c.gemm else c.gemv
+        cfg = (dataclasses.replace(c.gemm, split_k=min(c.gemm.split_k, 2)) if c.gemm
+               else dataclasses.replace(c.i8, split_k=min(c.i8.split_k, 2)) if c.i8 else c.gemv)  # fmt: skip
         groups.setdefault((spec_name, c.path, cfg), []).append((shape, m, c))
     t0 = time.perf_counter()
     with ProcessPoolExecutor(

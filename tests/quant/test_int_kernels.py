@@ -216,7 +216,7 @@ def test_supports_and_int8_layout(ti) -> None:  # noqa: ANN001
     assert ti.int8_layout(spec) == x_int8.Int8Layout(4, 4)  # the GGUF 4-bit GEMV's: producers write it
     assert ti.int8_layout(IntSpec(8, 128, 256, 64, False, False)) == x_int8.Int8Layout(8, 4)
     assert ti.fit_block_k(128, IntSpec(4, 128, 576, 64, False, False)) == 64
-    assert ti.group_shift(spec) == 7 and ti.group_shift(IntSpec(4, 576, 576, 64, False, False)) == 31
+    assert spec.group_shift == 7 and IntSpec(4, 576, 576, 64, False, False).group_shift == 31
 
 
 # ---------------------------------------------------------------------------- sm_90 compiles

@@ -79,6 +79,11 @@ class IntSpec:
         return TILE_WORDS * self.codes_per_word
 
     @property
+    def group_shift(self) -> int:
+        """k >> group_shift is the scale group of K index k (per-channel: always 0)."""
+        return 31 if self.group_size == self.in_features else self.group_size.bit_length() - 1
+
+    @property
     def symmetric_zero(self) -> int:
         return 1 << (self.bits - 1)
 

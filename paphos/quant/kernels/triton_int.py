@@ -10,6 +10,10 @@ calls `matmul(x, planes, spec)` for every forward; by the number of tokens M:
     zero points apply once per tile group: s * (sum(code * x) - zero * sum(x)). With act-order,
     `_permute_quantize_kernel` gathers x[:, perm] straight into registers and quantizes it in
     the same launch (one launch per layer and step; without act-order x's producer writes them).
+  - M <= I8_MAX_TOKENS (16 with 4-bit codes, 64 with 8-bit), where every 128 values of K lie in
+    one scale group: triton_int_i8.py, x quantized to two int8 parts per 128 values and the
+    codes multiplied on the int8 tensor cores, unpacked in registers (3 instructions per 8
+    codes) and fed to wgmma from there.
   - M <= FUSED_MAX_TOKENS: `_gemm_kernel`, dequantization fused with `tl.dot` (tensor cores,
     wgmma) on out^T = W x^T, so the weights are the large operand. 4-bit codes are read as bytes
     and become 16-bit floats without integer-to-float conversions (`_bytes4`, inline PTX on
@@ -57,7 +61,7 @@ try:
     import triton.language as tl
 
     from paphos.quant.gguf import triton_gemv, triton_gguf
-    from paphos.quant.kernels import split_k
+    from paphos.quant.kernels import split_k, triton_int_i8
 except ImportError:  # CPU-only installs: the torch reference serves
     triton = None
 
@@ -439,6 +443,11 @@ class GemvConfig:
 # Up to this many tokens the integer-dot GEMV runs (weights read once for all of them; it lost
 # to the fused kernel from 4 tokens on the H200, bench_int_gpu.py).
 GEMV_MAX_TOKENS = 2
+# Up to this many tokens (by code width) the int8 tensor-core kernel runs where it supports the
+# layer (triton_int_i8.py): the H100 sweep's crossover with the fused kernel on a Llama-3-8B
+# layer (bench_int_gpu.py; 4-bit at 32 tokens: 142.7 against 120.6 us, 8-bit at 64: 144 against
+# 279).
+I8_MAX_TOKENS = {4: 16, 8: 64}
 # Up to this many tokens (by code width) the fused kernel runs; above, dequantize + cuBLAS: the
 # H200 crossover on a Llama-3-8B layer's four linears (bench_int_gpu.py).
 FUSED_MAX_TOKENS = {4: 128, 8: 64}
@@ -469,11 +478,6 @@ def fit_block_k(block_k: int, spec: IntSpec) -> int:
     while block_k > 32 and spec.in_features % block_k:
         block_k //= 2
     return block_k
-
-
-def group_shift(spec: IntSpec) -> int:
-    """k >> group_shift is the scale group of K index k (per-channel: always 0)."""
-    return 31 if spec.group_size == spec.in_features else spec.group_size.bit_length() - 1
 
 
 def gemm_config(spec: IntSpec, m: int) -> GemmConfig:
@@ -574,7 +578,7 @@ def gemm(
         w = w.view(torch.uint8)
     _gemm_kernel[grid](
         x, out, partials, counters, w, planes["scales"], _zeros_plane(planes), m, n, k,
-        x.stride(0), out.stride(0), w.stride(0), group_shift(spec), per_split,
+        x.stride(0), out.stride(0), w.stride(0), spec.group_shift, per_split,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BM=cfg.block_m, BN=cfg.block_n, BK=bk,
         ONE_GROUP=one_group, SPLIT=split, ASM=_asm(x), PACKED=cfg.packed_math, BYTES=by_bytes,
         SCALE_AFTER=by_bytes and one_group and cfg.scale_after,
@@ -615,7 +619,7 @@ def gemv(
     w = planes["qweight"]
     _gemv_kernel[(triton.cdiv(n, rpp),)](
         xq.words, xq.scales, out, w, planes["scales"], _zeros_plane(planes), m, n, k, w.stride(0), out.stride(0),
-        group_shift(spec),
+        spec.group_shift,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, T=triton.next_power_of_2(k // spec.tile_values), RPP=rpp,
         MULTI=m > 1, ASM=_asm(x), num_warps=cfg.num_warps, **pdl.options(x),
     )  # fmt: skip
@@ -631,7 +635,7 @@ def dequantize_into(planes: dict[str, torch.Tensor], spec: IntSpec, row0: int, r
     grid = (triton.cdiv(row_end - row0, block_n), spec.in_features // bk)
     _dequant_kernel[grid](
         dst, w, planes["scales"], _zeros_plane(planes), row0, row_end, spec.out_features, w.stride(0),
-        group_shift(spec), dst.stride(0), BITS=spec.bits, HAS_Z=spec.has_zeros, BN=block_n, BK=bk,
+        spec.group_shift, dst.stride(0), BITS=spec.bits, HAS_Z=spec.has_zeros, BN=block_n, BK=bk,
         ONE_GROUP=bk <= spec.group_size, ASM=dst.is_cuda, num_warps=4,
     )  # fmt: skip
 
@@ -665,6 +669,8 @@ def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec) -> t
     m = x.shape[0]
     if m <= GEMV_MAX_TOKENS:
         return gemv(x, planes, spec)
+    if m <= I8_MAX_TOKENS[spec.bits] and triton_int_i8.supports(spec):
+        return triton_int_i8.matmul(x, planes, spec)
     if m <= FUSED_MAX_TOKENS[spec.bits]:
         return gemm(x, planes, spec)
     return dequant_matmul(x, planes, spec)

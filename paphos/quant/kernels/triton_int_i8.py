@@ -1,0 +1,301 @@
+"""The integer-weight family's int8 tensor-core GEMM (int_layout.py planes: GPTQ, AWQ,
+compressed-tensors), for batched decode between the batch-1 GEMV and the bf16 fused kernel:
+3 to 16 tokens a step with 4-bit codes, 3 to 64 with 8-bit (triton_int.I8_MAX_TOKENS).
+
+Data flow: `triton_int.matmul` calls `matmul(x, planes, spec)` when `supports(spec)`; it runs
+two launches per linear:
+  1. `quantize_x`: x [M, K] (act-order: x[:, perm], gathered here) -> two int8 parts per token
+     and block of XB = 128 K values, x = dx * (q1 + q2 / 254), dx = max|x| / 127 (the GEMV's
+     numerics, paphos/layers/x_int8.py: about 15 bits of x), stored in the order the weight
+     plane's bytes hold their codes (`block_order`), with dx and the block's integer sum
+     sum(254 * q1 + q2).
+  2. `_gemm_kernel`: out^T = W x^T on the int8 tensor cores (wgmma s8 on Hopper), the weights as
+     the large operand. A weight byte holds two 4-bit codes: masking the low nibbles of four
+     bytes at once gives four int8 codes, shifting first the four high ones (3 instructions per 8
+     codes, where the bf16 fused kernel in triton_int.py spends about 4 per code); 8-bit codes
+     are stored as signed bytes q - 128 already. Per block: D1 = codes . q1, D2 = codes . q2
+     (int32, exact), then 254 * D1 + D2 - zero * sum (still exact in int32; zero in the stored
+     codes' terms: 8 or the checkpoint's zero point for 4 bits, zero - 128 for 8 bits), one
+     float32 conversion, times the group scale and dx / 254. So the only roundings are x's
+     quantization and the float32 accumulation over blocks.
+Blocks of 128 lie inside one scale group: groups of 128 or more (power of two) or per-channel,
+K a multiple of 128 (`supports`); other layers keep the bf16 fused kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from paphos.layers import pdl
+from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
+
+try:
+    import triton
+    import triton.language as tl
+
+    from paphos.quant.kernels import split_k
+except ImportError:  # CPU-only installs: the torch reference serves
+    triton = None
+
+XB = 128  # K values per x block: one dx per token and block, and the kernel's K step
+
+
+def supports(spec: IntSpec) -> bool:
+    """Every 128-value block of K lies in one scale group (module docstring)."""
+    return spec.invalid() is None and spec.in_features % XB == 0 and spec.group_size % XB == 0
+
+
+def block_order(bits: int) -> torch.Tensor:
+    """[XB] int64: position j of a quantized x block holds value block_order[j] of the block, the
+    order in which the kernel multiplies the plane's codes. 4-bit: the low nibbles of the block's
+    64 bytes, then their high nibbles; 8-bit: the 128 bytes. Byte 4w + b of a tile group (4
+    words) holds codes 2b and 2b + 1 of word w (4-bit), or code b (8-bit); code p of word w is
+    value p * 4 + w of the tile group (int_layout.py)."""
+    j = torch.arange(XB)
+    if bits == 4:
+        byte, high = j % 64, j // 64
+        tile, w, b = byte // 16, byte % 16 // TILE_WORDS, byte % TILE_WORDS
+        return tile * 32 + (2 * b + high) * TILE_WORDS + w
+    tile, w, p = j // 16, j % 16 // TILE_WORDS, j % TILE_WORDS
+    return tile * 16 + p * TILE_WORDS + w
+
+
+def reference_quantize_x(
+    x: torch.Tensor, bits: int, perm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of `quantize_x`: x [M, K] -> (parts int8 [2, M, K], dx float32 [M, K / XB],
+    sums int32 [M, K / XB])."""
+    m, k = x.shape
+    xf = x.float() if perm is None else x.float()[:, perm.long()]
+    order = torch.arange(0, k, XB).reshape(-1, 1) + block_order(bits)
+    v = xf[:, order.to(x.device)]  # [M, blocks, XB]
+    amax = v.abs().amax(-1, keepdim=True)
+    # a tensor divided by a tensor: torch divides a Python scalar by a tensor as a multiplication by
+    # the reciprocal, 1 ulp off the IEEE quotient the kernel takes
+    v = v * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    q1 = torch.round(v)
+    q2 = torch.round((v - q1) * 254.0)
+    parts = torch.stack([q1, q2]).to(torch.int8).reshape(2, m, k)
+    sums = (254 * q1 + q2).sum(-1).to(torch.int32)
+    return parts, (amax[..., 0] * (1.0 / 127.0)), sums
+
+
+# ---------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_kernel(
+        x_ptr, perm_ptr, q_ptr, dx_ptr, sum_ptr, M, K, stride_xm,
+        BITS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """BLOCKS blocks of one token per program (grid: tokens x block groups), `block_order`'s
+        gather (through perm with act-order) straight into registers; the rounding is x_int8's
+        (v + 1.5 * 2**23 rounds to the nearest integer, ties to even)."""
+        pdl.release(PDL)
+        m = tl.program_id(0)
+        blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        blk_ok = blk < K // 128
+        j = tl.arange(0, 128)
+        if BITS == 4:
+            byte = j % 64
+            idx = byte // 16 * 32 + (2 * (byte % 4) + j // 64) * 4 + byte % 16 // 4
+        else:
+            idx = j // 16 * 16 + (j % 4) * 4 + j % 16 // 4
+        k = blk[:, None] * 128 + idx[None, :]
+        ok = blk_ok[:, None]
+        if HAS_PERM:
+            k = tl.load(perm_ptr + k, mask=ok, other=0)  # static: read before the wait
+        pdl.wait(PDL)
+        v = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=ok, other=0).to(tl.float32)
+        amax = tl.max(tl.abs(v), axis=1)
+        # IEEE division (Triton's `/` is approximate on the GPU): the parts are the reference's
+        v = v * tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)),
+                         0.0)[:, None]  # fmt: skip
+        r1 = (v + 12582912.0) - 12582912.0
+        r2 = ((v - r1) * 254.0 + 12582912.0) - 12582912.0
+        at = m.to(tl.int64) * K + blk[:, None] * 128 + j[None, :]
+        tl.store(q_ptr + at, r1.to(tl.int32).to(tl.int8), mask=ok)
+        tl.store(q_ptr + M * K + at, r2.to(tl.int32).to(tl.int8), mask=ok)
+        g = m * (K // 128) + blk
+        tl.store(dx_ptr + g, amax * (1.0 / 127.0), mask=blk_ok)
+        tl.store(sum_ptr + g, tl.sum((254.0 * r1 + r2).to(tl.int32), axis=1), mask=blk_ok)
+
+    @triton.jit
+    def _nibbles_i8(b, ASM: tl.constexpr):
+        """Bytes b (uint8) -> (low nibbles, high nibbles) as int8 codes 0..15; on the GPU four
+        bytes a register: AND for the low ones, shift and AND for the high ones."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ and.b32 $0, $2, 0x0F0F0F0F; shr.u32 $1, $2, 4; and.b32 $1, $1, 0x0F0F0F0F; }",
+                "=r,=r,r", [b], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            return (b & 0xF).to(tl.int8), (b >> 4).to(tl.int8)
+
+    @triton.jit
+    def _block_scalars(
+        s_ptr, z_ptr, dx_ptr, sum_ptr, it, rows, row_ok, tok, tok_ok, first, N, n_blocks, group_shift,
+        BITS: tl.constexpr, HAS_Z: tl.constexpr,
+    ):  # fmt: skip
+        """Block it's row scales (float32) and zero points in the stored codes' terms (int32; 8 for
+        symmetric 4-bit, 0 for symmetric 8-bit), and per x column dx / 254 and the integer sum
+        (first parts only, zero elsewhere)."""
+        at = ((it * 128) >> group_shift).to(tl.int64) * N + rows
+        scale = tl.load(s_ptr + at, mask=row_ok, other=0).to(tl.float32)
+        stored: tl.constexpr = 0 if BITS == 4 else 128  # the stored code is q - stored
+        if HAS_Z:
+            zero = tl.load(z_ptr + at, mask=row_ok, other=0).to(tl.int32) - stored
+        else:
+            zero = tl.full(rows.shape, (1 << (BITS - 1)) - stored, tl.int32)
+        xg = tok * n_blocks + it
+        dx = tl.load(dx_ptr + xg, mask=tok_ok, other=0.0) * (1.0 / 254.0)
+        xsum = tl.load(sum_ptr + xg, mask=tok_ok & first, other=0)
+        return scale, zero, dx, xsum
+
+    @triton.jit
+    def _gemm_kernel(
+        q_ptr, dx_ptr, sum_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_w,
+        stride_om, group_shift, iters_per_split,
+        BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out [M, N] = x W^T for BN rows and BM tokens per program, blocks it0 .. it1 of K per
+        program along grid axis 1 (SPLIT: several slices, the last program of a tile to finish
+        sums the float32 partials, split_k.py). w_ptr: the qweight plane as bytes (uint8 for
+        4-bit codes, int8 for 8-bit), stride_w bytes per row; x's parts from `quantize_x`."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        rows = pid_n * BN + tl.arange(0, BN)
+        row_ok = rows < N
+        ms = pid_m * BM + tl.arange(0, BM)
+        m_ok = ms < M
+        # column j of the x operand: part j // BM of token pid_m * BM + j % BM
+        cols = tl.arange(0, 2 * BM)
+        first = cols < BM
+        tok = pid_m * BM + cols % BM
+        tok_ok = tok < M
+        n_blocks = K // 128
+        it0 = pid_k * iters_per_split
+        it1 = tl.minimum(it0 + iters_per_split, n_blocks)
+        NB: tl.constexpr = 128 * BITS // 8  # bytes of a row per block
+        c = tl.arange(0, NB)
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + c[None, :]
+        x_cols = q_ptr + (tl.where(first, 0, M) + tok).to(tl.int64)[None, :] * K + c[:, None]  # [NB, 2 BM]
+        x_ok = tok_ok[None, :]
+        weight = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2
+        acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
+        # the block's scales, zeros, dx and sums are loaded a block ahead (not dot operands: the
+        # software pipeline does not issue them early)
+        scale, zero, dx, xsum = _block_scalars(s_ptr, z_ptr, dx_ptr, sum_ptr, it0, rows, row_ok, tok, tok_ok, first,
+                                               N, n_blocks, group_shift, BITS, HAS_Z)  # fmt: skip
+        for it in range(it0, it1):
+            k0 = it * 128
+            scale_n, zero_n, dx_n, xsum_n = _block_scalars(
+                s_ptr, z_ptr, dx_ptr, sum_ptr, tl.minimum(it + 1, it1 - 1), rows, row_ok, tok, tok_ok, first, N,
+                n_blocks, group_shift, BITS, HAS_Z,
+            )  # fmt: skip
+            wb = tl.load(w_rows + it * NB, mask=row_ok[:, None], other=0)
+            if BITS == 4:
+                lo, hi = _nibbles_i8(wb, ASM)
+                d = tl.dot(lo, tl.load(x_cols + k0, mask=x_ok, other=0), out_dtype=tl.int32)
+                d = tl.dot(hi, tl.load(x_cols + k0 + 64, mask=x_ok, other=0), d, out_dtype=tl.int32)
+            else:
+                d = tl.dot(wb, tl.load(x_cols + k0, mask=x_ok, other=0), out_dtype=tl.int32)
+            d = d * weight[None, :] - zero[:, None] * xsum[None, :]
+            acc += d.to(tl.float32) * scale[:, None] * dx[None, :]
+            scale, zero, dx, xsum = scale_n, zero_n, dx_n, xsum_n
+        acc = tl.sum(tl.reshape(tl.permute(tl.reshape(acc, (BN, 2, BM)), (0, 2, 1)), (BN, BM, 2)), axis=2)
+        mask = row_ok[:, None] & m_ok[None, :]
+        o = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        if SPLIT:
+            at = ms[None, :] * N + rows[:, None]  # in one [M, N] plane of float32 partials
+            last, total = split_k.sum_slices(acc, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, at, mask,
+                                             pid_k, tl.num_programs(1), M * N, ASM)  # fmt: skip
+            if last:
+                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------- launches
+
+
+@dataclass(frozen=True)
+class I8Config:
+    """`_gemm_kernel`'s launch: weight rows and tokens per program, K slices, warps, stages."""
+
+    block_n: int = 64
+    block_m: int = 16
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+NUM_SMS_GUESS = 132
+QUANTIZE_BLOCKS = 4  # x blocks per program of `_quantize_kernel`
+
+
+def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | None = None) -> I8Config:
+    """The launch at M tokens, by the rule the H100 sweep's winners on the Llama-3-8B shapes follow
+    (benchmarks/bench_int_gpu.py): M rounded up to a power of two (16 to 64) tokens per program,
+    128 rows at 16 tokens and 64 above, 4 warps, 4 stages; K split while the grid stays within
+    `programs_per_sm` programs per multiprocessor (2: q|k|v 4 slices, o and down 8 at 16 tokens)
+    and each slice keeps two blocks or more. (8 warps at 64 tokens ran 2-4x slower.)"""
+    bm = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = block_n or (128 if bm == 16 else 64)
+    tiles = math.ceil(spec.out_features / block_n) * math.ceil(m / bm)
+    blocks, split = spec.in_features // XB, 1
+    while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * NUM_SMS_GUESS:
+        split *= 2
+    return I8Config(block_n, bm, split)
+
+
+def quantize_x(
+    x: torch.Tensor, bits: int, perm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride on K) -> `reference_quantize_x`'s (parts, dx, sums) in one launch."""
+    m, k = x.shape
+    parts = torch.empty(2, m, k, dtype=torch.int8, device=x.device)
+    dx = torch.empty(m, k // XB, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, k // XB, dtype=torch.int32, device=x.device)
+    _quantize_kernel[(m, triton.cdiv(k // XB, QUANTIZE_BLOCKS))](
+        x, parts if perm is None else perm, parts, dx, sums, m, k, x.stride(0), BITS=bits,
+        HAS_PERM=perm is not None, BLOCKS=QUANTIZE_BLOCKS, num_warps=4, **pdl.options(x),
+    )  # fmt: skip
+    return parts, dx, sums
+
+
+def matmul(
+    x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec, cfg: I8Config | None = None
+) -> torch.Tensor:
+    """x [M, K] bf16 / fp16 (unit stride on K) -> [M, N] in x's dtype: `quantize_x`, then
+    `_gemm_kernel` (`cfg` overrides `i8_config`). CUDA, or CPU tensors under TRITON_INTERPRET=1."""
+    m, k = x.shape
+    n = spec.out_features
+    cfg = cfg or i8_config(spec, m)
+    parts, dx, sums = quantize_x(x, spec.bits, planes.get("perm"))
+    n_blocks = k // XB
+    per_split = math.ceil(n_blocks / max(1, cfg.split_k))
+    grid = (triton.cdiv(n, cfg.block_n), math.ceil(n_blocks / per_split), triton.cdiv(m, cfg.block_m))
+    split = grid[1] > 1 and grid[0] * grid[2] <= split_k.COUNTERS and grid[1] * m * n < 1 << 31
+    if not split:
+        per_split, grid = n_blocks, (grid[0], 1, grid[2])
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(grid[1] if split else 1, m, n, dtype=torch.float32, device=x.device)
+    counters = split_k.counters(x.device) if split else partials
+    w = planes["qweight"].view(torch.uint8 if spec.bits == 4 else torch.int8)
+    scales = planes["scales"]
+    _gemm_kernel[grid](
+        parts, dx, sums, out, partials, counters, w, scales, planes.get("zeros", scales), m, n, k, w.stride(0),
+        out.stride(0), spec.group_shift, per_split,
+        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=split, ASM=x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
+    )  # fmt: skip
+    return out
