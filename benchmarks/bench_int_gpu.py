@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import multiprocessing
@@ -82,8 +83,8 @@ SPLIT_TARGETS = (1, 2, 4, 0)
 SWEEP_MS = (4, 16, 64)
 # int8 tensor-core kernel (triton_int_i8.py): (rows, warps, stages) per program, and programs per
 # SM its K split aims at
-I8_TILES = [(64, 4, 4), (64, 4, 3), (64, 4, 6), (64, 8, 4), (128, 8, 4), (128, 4, 4)]
-I8_TARGETS = (2, 4, 8)
+I8_TILES = [(64, 4, 4), (64, 4, 3), (128, 4, 4), (128, 8, 4)]
+I8_TARGETS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -161,11 +162,10 @@ def candidates(spec: IntSpec, m: int, sweep: bool) -> list[Candidate]:
             out.append(Candidate("i8", i8=ti8.i8_config(spec, m)))
     if m in SWEEP_MS and m <= 128 and ti8.supports(spec):
         base = ti8.i8_config(spec, m)
-        for bn, warps, stages in I8_TILES:
-            for target in I8_TARGETS:
-                cfg = dataclasses.replace(ti8.i8_config(spec, m, target, bn), num_warps=warps, num_stages=stages)
-                if cfg != base and not any(c.i8 == cfg for c in out):
-                    out.append(Candidate("i8", i8=cfg))
+        for (bn, warps, stages), target in itertools.product(I8_TILES, I8_TARGETS):
+            cfg = dataclasses.replace(ti8.i8_config(spec, m, target, bn), num_warps=warps, num_stages=stages)
+            if cfg != base and not any(c.i8 == cfg for c in out):
+                out.append(Candidate("i8", i8=cfg))
     if m in SWEEP_MS and m <= 128 and not ti8.supports(spec):  # the int8 kernel's layers: its sweep above
         for bn, bk, warps, stages in GEMM_TILES:
             if bm * bn > 64 * 128:  # the accumulator alone would fill the registers
