@@ -83,7 +83,7 @@ SPLIT_TARGETS = (1, 2, 4, 0)
 SWEEP_MS = (4, 16, 64)
 # int8 tensor-core kernel (triton_int_i8.py): (rows, warps, stages) per program, and programs per
 # SM its K split aims at
-I8_TILES = [(64, 4, 4), (64, 4, 3), (128, 4, 4), (128, 8, 4)]
+I8_TILES = [(64, 4, 4), (64, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 4)]
 I8_TARGETS = (1, 2, 4)
 
 
@@ -165,6 +165,10 @@ def candidates(spec: IntSpec, m: int, sweep: bool) -> list[Candidate]:
         for (bn, warps, stages), target in itertools.product(I8_TILES, I8_TARGETS):
             cfg = dataclasses.replace(ti8.i8_config(spec, m, target, bn), num_warps=warps, num_stages=stages)
             if cfg != base and not any(c.i8 == cfg for c in out):
+                out.append(Candidate("i8", i8=cfg))
+        if m > 16:  # 16-token tiles over several token tiles (the later ones may find the weights in L2)
+            for bn, target in itertools.product((64, 128), I8_TARGETS):
+                cfg = dataclasses.replace(ti8.i8_config(spec, 16, target, bn), block_m=16)
                 out.append(Candidate("i8", i8=cfg))
     if m in SWEEP_MS and m <= 128 and not ti8.supports(spec):  # the int8 kernel's layers: its sweep above
         for bn, bk, warps, stages in GEMM_TILES:

@@ -123,12 +123,12 @@ def test_matmul_sends_small_batches_here(ti, ti8, monkeypatch: pytest.MonkeyPatc
     real = ti8.matmul
     monkeypatch.setattr(ti.triton_int_i8, "matmul", lambda x, p, s: calls.append(x.shape[0]) or real(x, p, s))
     gen = torch.Generator().manual_seed(9)
-    for m in (1, 3, 16, 20):
+    for m in (1, 3, 32, 40):
         x = torch.randn(m, spec.in_features, generator=gen).to(torch.bfloat16)
         got = ti.matmul(x, planes, spec)
         assert got.dtype == torch.bfloat16 and got.shape == (m, spec.out_features)
         assert _rel(got, int_layout.reference_matmul(x, planes, spec)) < 1e-2, m
-    assert calls == [3, 16]  # 4-bit codes: up to I8_MAX_TOKENS[4], then the fused kernel
+    assert calls == [3, 32]  # 4-bit codes: up to I8_MAX_TOKENS[4], then the fused kernel
 
 
 # ---------------------------------------------------------------------------- sm_90 compiles
@@ -174,6 +174,7 @@ def _quantize(perm: bool) -> None:
 CASES = {
     "gemm-w4-sym-m16": (_gemm, 4, False, 16),
     "gemm-w4-asym-m8": (_gemm, 4, True, 8),
+    "gemm-w4-sym-m32": (_gemm, 4, False, 32),
     "gemm-w8-asym-m16": (_gemm, 8, True, 16),
     "gemm-w8-sym-m64": (_gemm, 8, False, 64),
     "quantize": (_quantize, False),

@@ -10,7 +10,7 @@ calls `matmul(x, planes, spec)` for every forward; by the number of tokens M:
     zero points apply once per tile group: s * (sum(code * x) - zero * sum(x)). With act-order,
     `_permute_quantize_kernel` gathers x[:, perm] straight into registers and quantizes it in
     the same launch (one launch per layer and step; without act-order x's producer writes them).
-  - M <= I8_MAX_TOKENS (16 with 4-bit codes, 64 with 8-bit), where every 128 values of K lie in
+  - M <= I8_MAX_TOKENS (32 with 4-bit codes, 64 with 8-bit), where every 128 values of K lie in
     one scale group: triton_int_i8.py, x quantized to two int8 parts per 128 values and the
     codes multiplied on the int8 tensor cores, unpacked in registers (3 instructions per 8
     codes) and fed to wgmma from there.
@@ -444,10 +444,10 @@ class GemvConfig:
 # to the fused kernel from 4 tokens on the H200, bench_int_gpu.py).
 GEMV_MAX_TOKENS = 2
 # Up to this many tokens (by code width) the int8 tensor-core kernel runs where it supports the
-# layer (triton_int_i8.py): the H100 sweep's crossover with the fused kernel on a Llama-3-8B
-# layer (bench_int_gpu.py; 4-bit at 32 tokens: 142.7 against 120.6 us, 8-bit at 64: 144 against
-# 279).
-I8_MAX_TOKENS = {4: 16, 8: 64}
+# layer (triton_int_i8.py): the H100 sweeps' crossover with the fused kernel on a Llama-3-8B
+# layer (bench_int_gpu.py; 4-bit at 32 tokens: 108 against 120 us, at 64: 178 against 128; 8-bit
+# at 64: 144 against 279).
+I8_MAX_TOKENS = {4: 32, 8: 64}
 # Up to this many tokens (by code width) the fused kernel runs; above, dequantize + cuBLAS: the
 # H200 crossover on a Llama-3-8B layer's four linears (bench_int_gpu.py).
 FUSED_MAX_TOKENS = {4: 128, 8: 64}

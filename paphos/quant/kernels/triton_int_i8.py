@@ -1,6 +1,6 @@
 """The integer-weight family's int8 tensor-core GEMM (int_layout.py planes: GPTQ, AWQ,
 compressed-tensors), for batched decode between the batch-1 GEMV and the bf16 fused kernel:
-3 to 16 tokens a step with 4-bit codes, 3 to 64 with 8-bit (triton_int.I8_MAX_TOKENS).
+3 to 32 tokens a step with 4-bit codes, 3 to 64 with 8-bit (triton_int.I8_MAX_TOKENS).
 
 Data flow: `triton_int.matmul` calls `matmul(x, planes, spec)` when `supports(spec)`; it runs
 two launches per linear:
@@ -243,13 +243,13 @@ QUANTIZE_BLOCKS = 4  # x blocks per program of `_quantize_kernel`
 
 
 def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | None = None) -> I8Config:
-    """The launch at M tokens, by the rule the H100 sweep's winners on the Llama-3-8B shapes follow
+    """The launch at M tokens, by the rule the H100 sweeps' winners on the Llama-3-8B shapes follow
     (benchmarks/bench_int_gpu.py): M rounded up to a power of two (16 to 64) tokens per program,
-    128 rows at 16 tokens and 64 above, 4 warps, 4 stages; K split while the grid stays within
-    `programs_per_sm` programs per multiprocessor (2: q|k|v 4 slices, o and down 8 at 16 tokens)
-    and each slice keeps two blocks or more. (8 warps at 64 tokens ran 2-4x slower.)"""
+    128 rows up to 32 tokens and 64 above, 4 warps, 4 stages; K split while the grid stays within
+    `programs_per_sm` programs per multiprocessor (2: q|k|v 4 slices, o and down 8) and each
+    slice keeps two blocks or more. (8 warps at 64 tokens ran 2-4x slower.)"""
     bm = min(64, max(16, triton.next_power_of_2(m)))
-    block_n = block_n or (128 if bm == 16 else 64)
+    block_n = block_n or (128 if bm <= 32 else 64)
     tiles = math.ceil(spec.out_features / block_n) * math.ceil(m / bm)
     blocks, split = spec.in_features // XB, 1
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * NUM_SMS_GUESS:
