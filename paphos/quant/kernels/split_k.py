@@ -1,4 +1,4 @@
-"""Split-K for the small-M Triton matmuls (triton_int.py, fp8.py): the K slices of one output tile
+"""Split-K for the small-M Triton matmuls (triton_int.py, triton_int_i8.py, fp8.py): the K slices of one output tile
 run in separate programs (more programs than a narrow layer's tiles alone give 132 SMs); each
 stores its float32 partial, and the last one to finish (an atomic count per tile) sums them. No
 second launch, and that last program resets the tile's count, so the launch replays from a CUDA
@@ -61,3 +61,19 @@ if triton is not None:
                                      cache_modifier=".cg")  # fmt: skip
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
         return last, total
+
+    @triton.jit
+    def store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, tile, slice_id,
+                   slices, SPLIT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+        """A program's float32 out^T tile `acc` [rows, tokens ms] into out [M, N] (its dtype): at
+        once, or with SPLIT through `sum_slices` (partials in one [M, N] plane per slice) by the
+        program that finishes tile `tile` last."""
+        mask = row_ok[:, None] & m_ok[None, :]
+        o = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        if SPLIT:
+            last, total = sum_slices(acc, part_ptr, count_ptr, tile, ms[None, :] * N + rows[:, None], mask, slice_id,
+                                     slices, M * N, ASM)  # fmt: skip
+            if last:
+                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)

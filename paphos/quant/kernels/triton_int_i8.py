@@ -212,16 +212,8 @@ if triton is not None:
             acc += d.to(tl.float32) * scale[:, None] * dx[None, :]
             scale, zero, dx, xsum = scale_n, zero_n, dx_n, xsum_n
         acc = tl.sum(tl.reshape(tl.permute(tl.reshape(acc, (BN, 2, BM)), (0, 2, 1)), (BN, BM, 2)), axis=2)
-        mask = row_ok[:, None] & m_ok[None, :]
-        o = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
-        if SPLIT:
-            at = ms[None, :] * N + rows[:, None]  # in one [M, N] plane of float32 partials
-            last, total = split_k.sum_slices(acc, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, at, mask,
-                                             pid_k, tl.num_programs(1), M * N, ASM)  # fmt: skip
-            if last:
-                tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
+                           pid_m * tl.num_programs(0) + pid_n, pid_k, tl.num_programs(1), SPLIT, ASM)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launches
