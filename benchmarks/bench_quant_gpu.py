@@ -35,7 +35,7 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
   fp8_offline_kv8, bf16_offline_kv8   the same with an fp8 KV cache (at this batch the KV cache's
                  reads outweigh the weights')
 Each engine section (paphos.LLM, CUDA graphs): batch-1 decode tok/s with the GB/s of the weight
-bytes one token reads and its fraction of copy BW, batch-16 / 64 decode tok/s, pp512 tok/s,
+bytes one token reads and its fraction of copy BW, batch-16 / 32 / 64 decode tok/s, pp512 tok/s,
 weight bytes on the GPU against the checkpoint's tensor bytes, the kernel summary lines the
 engine logged, and the greedy tokens of a fixed prompt.
 """
@@ -166,7 +166,7 @@ def run_engine(bench: Bench, path: Path | None, **extra: Any) -> dict[str, Any]:
                          "frac_copy_bw": read / tpot / bw if bw else None}  # fmt: skip
         done = llm.generate([random_prompts(1, 96, vocab, 7)[0]], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
         out["greedy_tokens"] = done[0].outputs[0].token_ids
-        for batch in (16, 64):
+        for batch in (16, 32, 64):
             steps = engine_steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
             decode = [t for t, rows in steps[1:] if rows == batch]
             out[f"batch{batch}"] = {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
@@ -428,7 +428,7 @@ for _name in FORMATS:
 def print_table(results: dict[str, Any]) -> None:
     base = results.get("bf16", {})
     print(f"\n{'':16} {'b1 tok/s':>9} {'x bf16':>7} {'GB/s':>7} {'of copy':>8} {'b16':>8} {'x bf16':>7} "
-          f"{'b64':>8} {'pp512':>8} {'GPU GB':>7} {'/file':>6}")  # fmt: skip
+          f"{'b32':>8} {'x bf16':>7} {'b64':>8} {'x bf16':>7} {'pp512':>8} {'GPU GB':>7} {'/file':>6}")  # fmt: skip
     for name in ("bf16", "gptq", "gptq_actorder", "gptq_actorder_sym", "awq", "ct_w4a16", "exl2", "exl2_mix", "fp8"):
         r = results.get(name)
         if not r or "batch1" not in r:
@@ -443,7 +443,8 @@ def print_table(results: dict[str, Any]) -> None:
         frac = f"{b1['frac_copy_bw']:.2f}" if b1.get("frac_copy_bw") else "-"
         over = f"{mem['weights_over_file']:.2f}" if mem.get("weights_over_file") else "-"
         print(f"{name:16} {b1['tok_s']:9.1f} {ratio('batch1'):>7} {b1['GBps']:7.0f} {frac:>8} "
-              f"{r['batch16'].get('tok_s', 0):8.0f} {ratio('batch16'):>7} {r['batch64'].get('tok_s', 0):8.0f} "
+              f"{r['batch16'].get('tok_s', 0):8.0f} {ratio('batch16'):>7} {r.get('batch32', {}).get('tok_s', 0):8.0f} "
+              f"{ratio('batch32'):>7} {r['batch64'].get('tok_s', 0):8.0f} {ratio('batch64'):>7} "
               f"{r['pp512']['tok_s']:8.0f} {mem['weights_GB']:7.2f} {over:>6}")  # fmt: skip
         for line in r.get("kernels", []):
             print(f"{'':16} {line}")
