@@ -258,7 +258,7 @@ def quantize_x(
     dx = torch.empty(m, k // XB, dtype=torch.float32, device=x.device)
     sums = torch.empty(m, k // XB, dtype=torch.int32, device=x.device)
     _quantize_kernel[(m, triton.cdiv(k // XB, QUANTIZE_BLOCKS))](
-        x, parts if perm is None else perm, parts, dx, sums, m, k, x.stride(0), BITS=bits,
+        x, parts if perm is None else perm, parts, dx, sums, m, k, x.stride(0), BITS=bits,  # (perm unread without one)
         HAS_PERM=perm is not None, BLOCKS=QUANTIZE_BLOCKS, num_warps=4, **pdl.options(x),
     )  # fmt: skip
     return parts, dx, sums
