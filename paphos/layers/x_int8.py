@@ -67,6 +67,15 @@ if triton is not None:
             return packed | (byte << (8 * (p // 2)))
 
     @triton.jit
+    def rounded_parts(v):
+        """v = x / dx (|v| <= 127) -> (f1, f2): round(v) and round(254 * (v - round(v))), each as
+        1.5 * 2**23 plus the integer (ties to even), so the float's low byte is the int8 part in
+        two's complement; minus 1.5 * 2**23 they are the parts as floats."""
+        f1 = v + 12582912.0
+        f2 = (v - (f1 - 12582912.0)) * 254.0 + 12582912.0
+        return f1, f2
+
+    @triton.jit
     def _quantize_x(x_ptr, t, t_ok, LO: tl.constexpr, TW: tl.constexpr):
         """x per tile group t (32 values for 4-bit codes, 16 for Q8_0) as two int8 parts: x =
         dx * (q1 + q2 / 254), dx = max|x| / 127, q1 = round(x / dx), q2 = round(254 * the rest)
@@ -88,11 +97,8 @@ if triton is not None:
         sum2 = tl.zeros(xk.shape, dtype=tl.float32)
         for p in tl.static_range(PER):
             v = tl.load(x_ptr + xk + p * TW, mask=xm, other=0).to(tl.float32) * inv
-            # v + 1.5 * 2**23: the float's low byte is round(v), two's complement
-            f1 = v + 12582912.0
-            r1 = f1 - 12582912.0
-            f2 = (v - r1) * 254.0 + 12582912.0
-            sum1 += r1
+            f1, f2 = rounded_parts(v)
+            sum1 += f1 - 12582912.0
             sum2 += f2 - 12582912.0
             b1 = f1.to(tl.int32, bitcast=True) & 0xFF
             b2 = f2.to(tl.int32, bitcast=True) & 0xFF

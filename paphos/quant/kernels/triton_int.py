@@ -381,10 +381,8 @@ if triton is not None:
         v = tl.load(x_ptr + (xk // K) * K + cols, mask=m3, other=0).to(tl.float32)
         amax_t = tl.max(tl.max(tl.abs(v), axis=2), axis=1)
         v = v * tl.where(amax_t > 0, 127.0 / amax_t, 0.0)[:, None, None]
-        f1 = v + 12582912.0  # v + 1.5 * 2**23: the float's low byte is round(v), two's complement
-        r1 = f1 - 12582912.0
-        f2 = (v - r1) * 254.0 + 12582912.0
-        sum1 = tl.sum(tl.sum(r1, axis=2), axis=1)
+        f1, f2 = x_int8.rounded_parts(v)
+        sum1 = tl.sum(tl.sum(f1 - 12582912.0, axis=2), axis=1)
         sum2 = tl.sum(tl.sum(f2 - 12582912.0, axis=2), axis=1)
         b1 = f1.to(tl.int32, bitcast=True) & 0xFF
         b2 = f2.to(tl.int32, bitcast=True) & 0xFF

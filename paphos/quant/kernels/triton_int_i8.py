@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paphos.layers import pdl
+from paphos.layers import pdl, x_int8
 from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
 
 try:
@@ -94,7 +94,7 @@ if triton is not None:
     ):  # fmt: skip
         """BLOCKS blocks of one token per program (grid: tokens x block groups), `block_order`'s
         gather (through perm with act-order) straight into registers; the rounding is x_int8's
-        (v + 1.5 * 2**23 rounds to the nearest integer, ties to even)."""
+        (`rounded_parts`)."""
         pdl.release(PDL)
         m = tl.program_id(0)
         blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
@@ -115,8 +115,9 @@ if triton is not None:
         # IEEE division (Triton's `/` is approximate on the GPU): the parts are the reference's
         v = v * tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)),
                          0.0)[:, None]  # fmt: skip
-        r1 = (v + 12582912.0) - 12582912.0
-        r2 = ((v - r1) * 254.0 + 12582912.0) - 12582912.0
+        f1, f2 = x_int8.rounded_parts(v)
+        r1 = f1 - 12582912.0
+        r2 = f2 - 12582912.0
         at = m.to(tl.int64) * K + blk[:, None] * 128 + j[None, :]
         tl.store(q_ptr + at, r1.to(tl.int32).to(tl.int8), mask=ok)
         tl.store(q_ptr + M * K + at, r2.to(tl.int32).to(tl.int8), mask=ok)
