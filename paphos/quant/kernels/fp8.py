@@ -309,7 +309,6 @@ class SmallMConfig:
 # M = 32 the Triton kernel is 0.84x _scaled_mm's time over a layer, at 64 1.04x).
 SMALL_M_MAX = 32
 DEFAULT_SMALL_M = SmallMConfig()
-NUM_SMS_GUESS = 132
 
 
 def split_for(m: int, n: int, k: int, cfg: SmallMConfig) -> int:
@@ -321,7 +320,7 @@ def split_for(m: int, n: int, k: int, cfg: SmallMConfig) -> int:
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, bm)
     steps = triton.cdiv(k, cfg.block_k)
     split = 1
-    while tiles * split * 2 <= cfg.programs_per_sm * NUM_SMS_GUESS and steps // (split * 2) >= 2:
+    while tiles * split * 2 <= cfg.programs_per_sm * split_k.NUM_SMS_GUESS and steps // (split * 2) >= 2:
         split *= 2
     return split
 

@@ -14,6 +14,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+NUM_SMS_GUESS = 132  # H100 / H200: the split rules' programs-per-SM targets count against it
 COUNTERS = 1 << 16  # tile counters per device, zero between launches: the most tiles one launch splits
 _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 

@@ -56,7 +56,6 @@ except ImportError:  # CPU-only installs: the layers dequantize at load
 # + cuBLAS. bench_quant_gpu.py's `exl2_kernels` section times both at 1-16 tokens (gate|up at 16:
 # 148 against 199 us, H100).
 GEMV_MAX_TOKENS = 16
-NUM_SMS_GUESS = 132
 # The GEMV's launch by the layer's column tiles (GEMV_CLASSES: up to max_tiles tiles, the grid's
 # programs per SM, whether each run's loads go out while the one before is multiplied): K slices
 # (a power of two) are added while the grid stays within that many programs per SM and each slice
@@ -429,7 +428,7 @@ def gemv_launch(planes: EXL2Planes, mp: int = 1) -> tuple[int, bool]:
     if launch is None:
         tiles, split = planes.tiles.shape[0], 1
         _, per_sm, ahead = next(c for c in GEMV_CLASSES if tiles <= c[0])
-        while tiles * split * 2 <= per_sm * NUM_SMS_GUESS and planes.n_runs // (split * 2) >= MIN_RUNS:
+        while tiles * split * 2 <= per_sm * split_k.NUM_SMS_GUESS and planes.n_runs // (split * 2) >= MIN_RUNS:
             split *= 2
         planes.launches[mp] = launch = (split, ahead and mp <= AHEAD_MAX_TOKENS)
     return launch

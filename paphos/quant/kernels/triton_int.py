@@ -441,7 +441,6 @@ I8_MAX_TOKENS = {4: 32, 8: 64}
 # Up to this many tokens (by code width) the fused kernel runs; above, dequantize + cuBLAS: the
 # H200 crossover on a Llama-3-8B layer's four linears (bench_int_gpu.py).
 FUSED_MAX_TOKENS = {4: 128, 8: 64}
-NUM_SMS_GUESS = 132
 
 
 def supports(spec: IntSpec, device: torch.device, dtype: torch.dtype) -> bool:
@@ -488,7 +487,7 @@ def gemm_config(spec: IntSpec, m: int) -> GemmConfig:
     def split_to(bn: int, bk: int, target: float, within: bool, min_steps: int) -> int:
         tiles, steps, split = math.ceil(n / bn) * m_tiles, k // bk, 1
         while steps // (split * 2) >= min_steps and (
-            tiles * split * 2 <= target * NUM_SMS_GUESS if within else tiles * split < target * NUM_SMS_GUESS
+            tiles * split * 2 <= target * split_k.NUM_SMS_GUESS if within else tiles * split < target * split_k.NUM_SMS_GUESS
         ):
             split *= 2
         return split
@@ -501,7 +500,7 @@ def gemm_config(spec: IntSpec, m: int) -> GemmConfig:
         if n >= 16384:
             return GemmConfig(64, bm, bk, split_to(64, bk, 4, False, 2), 4, 3)
         split = split_to(128, bk, 3, True, 2)
-        warps = 8 if math.ceil(n / 128) * m_tiles * split <= 2 * NUM_SMS_GUESS else 4
+        warps = 8 if math.ceil(n / 128) * m_tiles * split <= 2 * split_k.NUM_SMS_GUESS else 4
         return GemmConfig(128, bm, bk, split, warps, 3)
     if spec.bits == 4 and bm == 64:
         bk = fit_block_k(64, spec)

@@ -231,7 +231,6 @@ class I8Config:
     num_stages: int = 4
 
 
-NUM_SMS_GUESS = 132
 QUANTIZE_BLOCKS = 4  # x blocks per program of `_quantize_kernel`
 
 
@@ -245,7 +244,7 @@ def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | No
     block_n = block_n or (128 if bm <= 32 else 64)
     tiles = math.ceil(spec.out_features / block_n) * math.ceil(m / bm)
     blocks, split = spec.in_features // XB, 1
-    while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * NUM_SMS_GUESS:
+    while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
     return I8Config(block_n, bm, split)
 
