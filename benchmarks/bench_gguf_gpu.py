@@ -15,6 +15,11 @@ after every section so a timeout keeps what finished):
              the best installed in GEMV_CONFIGS; GB/s of the planes read and fraction of copy
              BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight); an integer-dot
              call includes its launch quantizing x
+  i8         the int8 tensor-core kernel (triton_gguf_i8, Q4_K) per shape at --i8-ms tokens: its
+             default launch and a sweep of tiles / warps / stages / K split targets (the best installed in triton_gguf_i8.TUNED_CONFIGS for the engine
+             sections after it), beside the fused kernel and cuBLAS bf16 on the same shape
+             (CUDA-graph replays cycling through copies larger than L2; times include x's
+             quantizing launch); relative error against the float32 reference
   sweep      block sizes / split-K / warps of the fused kernel per (type, shape) at M = 16,
              the best one installed in TUNED_CONFIGS (the engine sections use them)
   crossover  fused kernel vs dequantize + cuBLAS at M = 16..256 on the gate_up shape; sets
@@ -31,6 +36,7 @@ have no vocabulary, so a synthetic tokenizer is passed (as bench_gpu.py does for
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -69,10 +75,11 @@ from paphos import LLM  # noqa: E402
 from paphos.layers import pdl  # noqa: E402
 from paphos.quant.gguf import planes  # noqa: E402
 from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
+from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "gemv", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0", "bf16")
+SECTIONS = ("ceilings", "kernels", "gemv", "i8", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0", "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 # llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512.
 LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500}, "q8_0": {"tg128": 255, "pp512": 11100},
@@ -244,6 +251,82 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
         del seg, raw, ref_w, w16, w16s, copies
     torch.cuda.empty_cache()
     out["max_rel_err"] = max(v["max_rel_err"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+# (type, shape name, N, K) of the int8 path: the Q4_K segments of a Q4_K_M layer
+I8_SHAPES = tuple(s for s in GEMV_SHAPES if ti8.supports(s[0], s[3]))
+
+
+def _i8_candidates(n: int, k: int, m: int) -> list[ti8.GGUFI8Config]:
+    """mma.sync launches (fewer than 64 rows or 4 warps a program), then wgmma ones."""
+    out = []
+    for bn, warps in ((32, 2), (16, 1), (64, 4)):
+        for per_sm in (2, 4, 8):
+            base = ti8.i8_config(n, k, m, per_sm, bn, warps)
+            out += [dataclasses.replace(base, num_stages=stages) for stages in (3, 4)]
+    return list(dict.fromkeys(out))
+
+
+def section_i8(bench: Bench) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    bw = bench.results.get("copy_bw")
+    ms = [int(v) for v in bench.args.i8_ms.split(",")]
+    per_case = bench.args.sweep_seconds / (len(I8_SHAPES) * len(ms))
+    for type_name, name, n, k in I8_SHAPES:
+        seg, raw = _segment(type_name, n, k)
+        ref_w = dequantize(raw, type_name)
+        copies = _copies(seg)
+        w16 = ref_w.to(torch.bfloat16)
+        w16s = [w16] + [w16.clone() for _ in range(math.ceil(3 * L2_BYTES / (w16.numel() * 2)) - 1)]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = x.float() @ ref_w.t()
+            row: dict[str, Any] = {"GB": seg.n_bytes() / 1e9}
+            row["cublas_bf16_us"] = 1e6 * graph_time([lambda w=w, v=x: torch.nn.functional.linear(v, w) for w in w16s])
+            row["fused_us"] = 1e6 * graph_time([lambda s=c, v=x, n=n: tg.fused_matmul(v, [s], n) for c in copies])
+            dst = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+            def run(cfg: ti8.GGUFI8Config | None, s: tg.Segment, v: torch.Tensor = x, d: torch.Tensor = dst) -> None:
+                ti8.matmul_into(d, ti8.quantize_x(v), s, cfg)
+
+            ti8.TUNED_CONFIGS.pop((n, k, 16), None)
+            default = ti8.i8_config(n, k, m)
+            results = []
+            deadline = time.perf_counter() + per_case
+            for cfg in [default, *_i8_candidates(n, k, m)]:
+                if time.perf_counter() > deadline and cfg is not default:
+                    break
+                try:
+                    run(cfg, seg)
+                    err = _rel(dst, ref)
+                    t = graph_time([partial(run, cfg, c) for c in copies])
+                except Exception as e:  # noqa: BLE001 (a config that does not compile is recorded)
+                    results.append({"cfg": cfg.__dict__, "error": f"{type(e).__name__}: {e}"[:200]})
+                    continue
+                results.append({"cfg": cfg.__dict__, "us": t * 1e6, "rel_err": err})
+            ok = [r for r in results if "us" in r]
+            best = min(ok, key=lambda r: r["us"])
+            ti8.TUNED_CONFIGS[(n, k, default.block_m)] = ti8.GGUFI8Config(**best["cfg"])
+            row |= {
+                "default_us": ok[0]["us"] if results[0] is ok[0] else None, "best_us": best["us"], "best": best["cfg"],
+                "GBps": seg.n_bytes() / best["us"] / 1e3, "frac_copy_bw": seg.n_bytes() / best["us"] / 1e-6 / bw if bw else None,
+                "max_rel_err": max(r["rel_err"] for r in ok), "all": results,
+            }  # fmt: skip
+            out[f"{type_name} {name} {n}x{k} M{m}"] = row
+            print(f"i8 {type_name} {name} {n}x{k} M{m}: default {row['default_us'] or float('nan'):.1f} best "
+                  f"{best['us']:.1f} us {best['cfg']} ({row['GBps']:.0f} GB/s), fused {row['fused_us']:.1f}, "
+                  f"cuBLAS bf16 {row['cublas_bf16_us']:.1f}; err {row['max_rel_err']:.1e}", flush=True)  # fmt: skip
+        del seg, raw, ref_w, w16, w16s, copies
+    torch.cuda.empty_cache()
+    for m in ms:  # the Q4_K linears of a Q4_K_M layer, summed per path
+        rows = [v for key, v in out.items() if key.endswith(f" M{m}")]
+        tot = {c: sum(r[c] for r in rows) for c in ("cublas_bf16_us", "fused_us", "best_us")}
+        tot["default_us"] = sum(r["default_us"] or math.nan for r in rows)
+        out[f"Q4_K linears of a layer M{m}"] = tot
+        print(f"i8 Q4_K linears of a layer ({len(rows)}) M{m}: int8 {tot['default_us']:.1f} us (best launches "
+              f"{tot['best_us']:.1f}), fused {tot['fused_us']:.1f}, bf16 {tot['cublas_bf16_us']:.1f} (x bf16: "
+              f"{tot['cublas_bf16_us'] / tot['default_us']:.2f})", flush=True)  # fmt: skip
     return out
 
 
@@ -548,12 +631,14 @@ def main() -> None:
     parser.add_argument("--gemv-shapes", help="gemv section: only these shape names (e.g. down,head)")
     parser.add_argument("--profile", action="store_true",
                         help="engine sections: also profile a batch-1 decode step and a pp512 step")
-    parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of the config sweep")
+    parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of each config sweep")
+    parser.add_argument("--i8-ms", default="8,16", help="i8 section: token counts")
     args = parser.parse_args()
     bench = Bench(args)
     run_sections(bench, args.sections.split(","), globals())
     bench.results["tuned_configs"] = {str(k): v.__dict__ for k, v in tg.TUNED_CONFIGS.items()}
     bench.results["gemv_configs"] = {str(k): v.__dict__ for k, v in tg.GEMV_CONFIGS.items()}
+    bench.results["i8_configs"] = {str(k): v.__dict__ for k, v in ti8.TUNED_CONFIGS.items()}
     bench.save()
     print_table(bench.results)
 

@@ -26,7 +26,8 @@ from tests.triton_interpreted import interpreted
 
 _MODULE = "paphos.quant.gguf.triton_gguf"
 _GEMV = "paphos.quant.gguf.triton_gemv"
-_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", _GEMV)
+_KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", _GEMV, "paphos.quant.kernels.split_k",
+                   "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.gguf.triton_gguf_i8")  # fmt: skip
 
 
 GGUF_KERNEL_MODULES = (*_KERNEL_MODULES, _MODULE)
@@ -156,7 +157,8 @@ def test_merged_shards_of_mixed_types(tg, monkeypatch: pytest.MonkeyPatch) -> No
     assert layer.weight.numel() == 0  # the raw blocks are freed; the planes are buffers
     assert sum(b.numel() * b.element_size() for b in layer.buffers()) <= 1.05 * sum(s.n_bytes for s in shards)
     gen = torch.Generator().manual_seed(3)
-    # 1 and 5 tokens: fused kernel; FUSED_MAX_TOKENS + 3: dequantize + GEMM, then in row chunks.
+    # 1 token: the GEMV; 5: the int8 tensor-core kernel (every type here has it); FUSED_MAX_TOKENS
+    # + 3: dequantize + GEMM, then in row chunks.
     for m in (1, 5, tg.FUSED_MAX_TOKENS + 3):
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         ref = x.float() @ w.t()

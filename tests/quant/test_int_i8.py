@@ -29,8 +29,8 @@ from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, co
 from tests.quant.test_int_kernels import _layer, _rel
 from tests.triton_interpreted import interpreted
 
-_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv",
-            "paphos.quant.kernels.split_k", "paphos.quant.kernels.triton_int_i8", "paphos.quant.kernels.triton_int")  # fmt: skip
+_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv", "paphos.quant.kernels.split_k",
+            "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.kernels.triton_int")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +162,12 @@ def _gemm(bits: int, zeros: bool, m: int) -> None:
 
 
 def _quantize(perm: bool) -> None:
-    from paphos.quant.kernels import triton_int_i8 as ti8
+    from paphos.quant.kernels import x_blocks
 
-    args = {"x_ptr": "*bf16", "perm_ptr": "*i32", "q_ptr": "*i8", "dx_ptr": "*fp32", "sum_ptr": "*i32", "M": "i32",
-            "K": "i32", "stride_xm": "i32"}  # fmt: skip
-    ptx = compile_sm90(ti8._quantize_kernel, args, dict(BITS=4, HAS_PERM=perm, BLOCKS=ti8.QUANTIZE_BLOCKS, PDL=True),
-                       4, dict(M=16, K=4096, stride_xm=4096))  # fmt: skip
+    args = {"x_ptr": "*bf16", "order_ptr": "*i32", "perm_ptr": "*i32", "q_ptr": "*i8", "dx_ptr": "*fp32",
+            "sum_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32"}  # fmt: skip
+    constexprs = dict(XB=128, SUM=128, HAS_PERM=perm, BLOCKS=x_blocks.QUANTIZE_BLOCKS, PDL=True)
+    ptx = compile_sm90(x_blocks._quantize_kernel, args, constexprs, 4, dict(M=16, K=4096, stride_xm=4096))
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 

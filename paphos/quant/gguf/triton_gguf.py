@@ -7,6 +7,8 @@ whose shards all have a format in `FORMATS` -> `prepare` repacks each run of sam
 raw blocks -> `apply(x)` -> `matmul`:
   - M == 1 (batch-1 decode, the head of one sampled row): `gemv_matmul`, triton_gemv's kernel for
     every linear format (the fused kernel below for IQ4 and Q3_K segments).
+  - M <= triton_gguf_i8.I8_MAX_TOKENS (16): Q4_K segments through triton_gguf_i8's int8
+    tensor-core kernel (`i8_matmul`; the layer's other segments through the fused kernel).
   - M <= FUSED_MAX_TOKENS rows: `_fused_kernel`, one launch per segment; each program owns BLOCK_N
     output rows and a slice of K (split-K), reads its packed planes once and accumulates in fp32;
     M == 1 multiplies and sums on the CUDA cores, 1 < M uses `tl.dot` on the dequantized bf16 tile
@@ -26,9 +28,9 @@ The planes (layout, repacking, the torch reference) are in planes.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paphos.layers import x_int8
-from paphos.quant.gguf import triton_gemv
+from paphos.quant.gguf import triton_gemv, triton_gguf_i8
 from paphos.quant.gguf.dequant import IQ4_KVALUES
 from paphos.quant.gguf.planes import FORMATS, PLANES, Format, repack, type_size
 
@@ -201,7 +203,7 @@ if triton is not None:
 # ---------------------------------------------------------------------------- launch configuration
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     block_n: int
     block_k: int
@@ -275,7 +277,7 @@ def _lut(device: torch.device) -> torch.Tensor:
     return _LUT[device]
 
 
-@dataclass
+@dataclasses.dataclass
 class Segment:
     """Consecutive shards of one type: output rows [row_start, row_start + rows), repacked."""
 
@@ -304,6 +306,11 @@ class Segment:
     def n_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.planes.values())
 
+    def alone(self) -> Segment:
+        """This segment as a layer of its own (output rows from 0), for a kernel that writes only
+        its rows into an output of their size."""
+        return dataclasses.replace(self, row_start=0)
+
 
 def make_segments(weight: torch.Tensor, shards: tuple[GGUFShard, ...], k: int) -> list[Segment]:
     """Repack the raw blocks of `shards` (in the flat uint8 `weight`) into one Segment per run of
@@ -324,7 +331,7 @@ def make_segments(weight: torch.Tensor, shards: tuple[GGUFShard, ...], k: int) -
     return segments
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GemvConfig:
     block_n: int = triton_gemv.DEFAULT_BLOCK_N
     num_warps: int = triton_gemv.DEFAULT_WARPS
@@ -359,11 +366,15 @@ def default_gemv_config(type_name: str, rows: int, k: int) -> GemvConfig:
 
 
 def matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
-    """x [M, K] (contiguous) -> [M, n_total] in x's dtype: the GEMV at one token, the fused kernel
-    up to FUSED_MAX_TOKENS tokens, dequantize + cuBLAS above."""
-    if x.shape[0] == 1:
+    """x [M, K] (contiguous) -> [M, n_total] in x's dtype: the GEMV at one token, the int8
+    tensor-core kernel up to its I8_MAX_TOKENS for Q4_K segments, the fused kernel up to
+    FUSED_MAX_TOKENS tokens, dequantize + cuBLAS above."""
+    m = x.shape[0]
+    if m == 1:
         return gemv_matmul(x, segments, n_total)
-    if x.shape[0] <= FUSED_MAX_TOKENS:
+    if m <= triton_gguf_i8.I8_MAX_TOKENS and any(triton_gguf_i8.supports(s.type_name, s.k) for s in segments):
+        return i8_matmul(x, segments, n_total)
+    if m <= FUSED_MAX_TOKENS:
         return fused_matmul(x, segments, n_total)
     return dequant_matmul(x, segments, n_total)
 
@@ -392,7 +403,7 @@ def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch
                 x[0], seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x, cfg.rows_per_program, xq
             )
         else:
-            dst.copy_(fused_matmul(x, [seg], seg.rows)[0])
+            dst.copy_(fused_matmul(x, [seg.alone()], seg.rows)[0])
     return out
 
 
@@ -433,6 +444,21 @@ def fused_matmul(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.to(x.dtype) if atomic else out
+
+
+def i8_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
+    """x [M, K] -> [M, n_total]: triton_gguf_i8 for the segments it supports (x quantized once),
+    the fused kernel for the others."""
+    out = torch.empty(x.shape[0], n_total, dtype=x.dtype, device=x.device)
+    xq = None
+    for seg in segments:
+        dst = out[:, seg.row_start : seg.row_start + seg.rows]
+        if triton_gguf_i8.supports(seg.type_name, seg.k):
+            xq = xq or triton_gguf_i8.quantize_x(x)
+            triton_gguf_i8.matmul_into(dst, xq, seg)
+        else:
+            dst.copy_(fused_matmul(x, [seg.alone()], seg.rows))
+    return out
 
 
 def dequant_into(seg: Segment, row0: int, row_end: int, dst: torch.Tensor, block_n: int = 32) -> None:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paphos.layers import pdl, x_int8
+from paphos.layers import pdl
+from paphos.quant.kernels import x_blocks
 from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
 
 try:
@@ -68,19 +69,7 @@ def reference_quantize_x(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of `quantize_x`: x [M, K] -> (parts int8 [2, M, K], dx float32 [M, K / XB],
     sums int32 [M, K / XB])."""
-    m, k = x.shape
-    xf = x.float() if perm is None else x.float()[:, perm.long()]
-    order = torch.arange(0, k, XB).reshape(-1, 1) + block_order(bits)
-    v = xf[:, order.to(x.device)]  # [M, blocks, XB]
-    amax = v.abs().amax(-1, keepdim=True)
-    # a tensor divided by a tensor: torch divides a Python scalar by a tensor as a multiplication by
-    # the reciprocal, 1 ulp off the IEEE quotient the kernel takes
-    v = v * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
-    q1 = torch.round(v)
-    q2 = torch.round((v - q1) * 254.0)
-    parts = torch.stack([q1, q2]).to(torch.int8).reshape(2, m, k)
-    sums = (254 * q1 + q2).sum(-1).to(torch.int32)
-    return parts, (amax[..., 0] * (1.0 / 127.0)), sums
+    return x_blocks.reference_quantize(x, block_order(bits), XB, XB, perm)
 
 
 # ---------------------------------------------------------------------------- Triton kernels
@@ -88,45 +77,7 @@ def reference_quantize_x(
 if triton is not None:
 
     @triton.jit
-    def _quantize_kernel(
-        x_ptr, perm_ptr, q_ptr, dx_ptr, sum_ptr, M, K, stride_xm,
-        BITS: tl.constexpr, HAS_PERM: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        """BLOCKS blocks of one token per program (grid: tokens x block groups), `block_order`'s
-        gather (through perm with act-order) straight into registers; the rounding is x_int8's
-        (`rounded_parts`)."""
-        pdl.release(PDL)
-        m = tl.program_id(0)
-        blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        blk_ok = blk < K // 128
-        j = tl.arange(0, 128)
-        if BITS == 4:
-            byte = j % 64
-            idx = byte // 16 * 32 + (2 * (byte % 4) + j // 64) * 4 + byte % 16 // 4
-        else:
-            idx = j // 16 * 16 + (j % 4) * 4 + j % 16 // 4
-        k = blk[:, None] * 128 + idx[None, :]
-        ok = blk_ok[:, None]
-        if HAS_PERM:
-            k = tl.load(perm_ptr + k, mask=ok, other=0)  # static: read before the wait
-        pdl.wait(PDL)
-        v = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=ok, other=0).to(tl.float32)
-        amax = tl.max(tl.abs(v), axis=1)
-        # IEEE division (Triton's `/` is approximate on the GPU): the parts are the reference's
-        v = v * tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)),
-                         0.0)[:, None]  # fmt: skip
-        f1, f2 = x_int8.rounded_parts(v)
-        r1 = f1 - 12582912.0
-        r2 = f2 - 12582912.0
-        at = m.to(tl.int64) * K + blk[:, None] * 128 + j[None, :]
-        tl.store(q_ptr + at, r1.to(tl.int32).to(tl.int8), mask=ok)
-        tl.store(q_ptr + M * K + at, r2.to(tl.int32).to(tl.int8), mask=ok)
-        g = m * (K // 128) + blk
-        tl.store(dx_ptr + g, amax * (1.0 / 127.0), mask=blk_ok)
-        tl.store(sum_ptr + g, tl.sum((254.0 * r1 + r2).to(tl.int32), axis=1), mask=blk_ok)
-
-    @triton.jit
-    def _nibbles_i8(b, ASM: tl.constexpr):
+    def nibbles_i8(b, ASM: tl.constexpr):
         """Bytes b (uint8) -> (low nibbles, high nibbles) as int8 codes 0..15; on the GPU four
         bytes a register: AND for the low ones, shift and AND for the high ones."""
         if ASM:
@@ -204,7 +155,7 @@ if triton is not None:
             )  # fmt: skip
             wb = tl.load(w_rows + it * NB, mask=row_ok[:, None], other=0)
             if BITS == 4:
-                lo, hi = _nibbles_i8(wb, ASM)
+                lo, hi = nibbles_i8(wb, ASM)
                 d = tl.dot(lo, tl.load(x_cols + k0, mask=x_ok, other=0), out_dtype=tl.int32)
                 d = tl.dot(hi, tl.load(x_cols + k0 + 64, mask=x_ok, other=0), d, out_dtype=tl.int32)
             else:
@@ -231,9 +182,6 @@ class I8Config:
     num_stages: int = 4
 
 
-QUANTIZE_BLOCKS = 4  # x blocks per program of `_quantize_kernel`
-
-
 def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | None = None) -> I8Config:
     """The launch at M tokens, by the rule the H100 sweeps' winners on the Llama-3-8B shapes follow
     (benchmarks/bench_int_gpu.py): M rounded up to a power of two (16 to 64) tokens per program,
@@ -253,15 +201,7 @@ def quantize_x(
     x: torch.Tensor, bits: int, perm: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (unit stride on K) -> `reference_quantize_x`'s (parts, dx, sums) in one launch."""
-    m, k = x.shape
-    parts = torch.empty(2, m, k, dtype=torch.int8, device=x.device)
-    dx = torch.empty(m, k // XB, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, k // XB, dtype=torch.int32, device=x.device)
-    _quantize_kernel[(m, triton.cdiv(k // XB, QUANTIZE_BLOCKS))](
-        x, parts if perm is None else perm, parts, dx, sums, m, k, x.stride(0), BITS=bits,  # (perm unread without one)
-        HAS_PERM=perm is not None, BLOCKS=QUANTIZE_BLOCKS, num_warps=4, **pdl.options(x),
-    )  # fmt: skip
-    return parts, dx, sums
+    return x_blocks.quantize(x, x_blocks.device_order(block_order(bits), x.device), XB, XB, perm)
 
 
 def matmul(

@@ -1,0 +1,162 @@
+"""GGUF's int8 tensor-core path for Q4_K (paphos/quant/gguf/triton_gguf_i8.py).
+
+- `stream_order` is the order of the codes in the kernel's operands, read from repacked planes
+  the way the kernel reads them (bytes, nibbles joined into K=32 operands); x_blocks.quantize
+  writes x in that order, bit for bit its torch reference, within half a step of dx / 254.
+- The GEMM under the interpreter against dequantize-then-float32-matmul (planes.reference_matmul)
+  within 1e-4 of max|ref| (x's quantization; the integer sums are exact), at 2, 9 and 16 tokens,
+  one and several K slices, masked rows and tokens, 32- and 64-row programs.
+- `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for Q4_K segments, the
+  fused kernel for a layer's other segments, x quantized once.
+- The kernel compiles for sm_90 with both tritons in the rule's two launches: mma.sync (32 rows,
+  2 warps) and wgmma (64 rows, 4 warps) with the codes in registers, no spills, PDL.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from paphos.quant.gguf import planes
+from paphos.quant.gguf.triton_gguf_i8 import stream_order, supports
+from paphos.quant.kernels import split_k
+from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
+from tests.quant.gguf_blocks import random_blocks, weight_scale
+from tests.triton_interpreted import interpreted
+
+K = 512
+N = 37  # odd: masked rows
+
+
+@pytest.fixture(scope="module")
+def tg() -> Iterator[object]:
+    from tests.quant.test_gguf_triton import GGUF_KERNEL_MODULES
+
+    with interpreted(GGUF_KERNEL_MODULES, "_fused_kernel") as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def ti8(tg) -> object:  # noqa: ANN001
+    return sys.modules["paphos.quant.gguf.triton_gguf_i8"]
+
+
+def _raw(type_name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(random_blocks(type_name, rows, cols, rng, weight_scale(type_name)))
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_supports() -> None:
+    assert supports("Q4_K", 4096) and supports("Q4_K", 14336)
+    assert not supports("Q4_K", 4096 + 128)  # a partial x block
+    assert not any(supports(t, 4096) for t in ("Q6_K", "Q8_0", "Q5_K", "Q4_0"))
+
+
+def test_stream_order_is_the_operands_code_order() -> None:
+    raw = _raw("Q4_K", 8, K, 1)
+    natural = planes._codes_and_scales(raw.reshape(-1, planes.type_size("Q4_K")), "Q4_K")["q"].reshape(8, K).long()
+    order = stream_order()
+    assert sorted(order.tolist()) == list(range(256))
+    b = planes.repack(raw, "Q4_K")["lo"].contiguous().view(torch.uint8).long()
+    operands = torch.stack([b & 15, b >> 4], -1).reshape(8, K)  # per 16 bytes: the joined K=32 operand
+    assert torch.equal(operands, natural[:, (torch.arange(0, K, 256).reshape(-1, 1) + order).reshape(-1)])
+
+
+def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
+    from paphos.quant.kernels import x_blocks
+
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x[1, 256:512] = 0  # an all-zero block: dx 0, parts 0
+    x[2, :256] *= 1000
+    parts, dx, sums = ti8.quantize_x(x)
+    ref = x_blocks.reference_quantize(x, stream_order(), 256, 32)
+    assert parts.shape == (2, 5, 768) and dx.shape == (5, 3) and sums.shape == (5, 24)
+    assert torch.equal(parts, ref[0]) and torch.equal(dx, ref[1]) and torch.equal(sums, ref[2])
+    assert not parts[:, 1, 256:512].any() and dx[1, 1] == 0
+    q = parts.float()
+    rep = (q[0] + q[1] / 254) * dx.repeat_interleave(256, 1)  # the represented x, within half a step
+    source = x.float()[:, (torch.arange(0, 768, 256).reshape(-1, 1) + stream_order()).reshape(-1)]
+    assert ((rep - source).abs() <= dx.repeat_interleave(256, 1) / 508 * 1.01).all()
+    assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 24, 32).sum(-1).int())
+
+
+def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
+    raw = _raw("Q4_K", N, K, 2)
+    seg = tg.Segment("Q4_K", 0, N, K, planes.repack(raw, "Q4_K"))
+    gen = torch.Generator().manual_seed(5)
+    counters = split_k.counters(torch.device("cpu"))
+    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2)), (9, ti8.GGUFI8Config(16, 16, 2, 1)), (16, ti8.GGUFI8Config(64, 16, 2)))
+    for m, cfg in cases:
+        x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+        out = torch.full((m, N), float("nan"))
+        ti8.matmul_into(out, ti8.quantize_x(x), seg, cfg)
+        assert _rel(out, planes.reference_matmul(raw, "Q4_K", x)) < 1e-4, (m, cfg)
+        assert not counters.any()  # every split tile's counter is back to zero
+
+
+def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A layer of Q4_K, Q6_K and Q4_K segments (a Q4_K_M q|k|v with v in the middle): the Q4_K ones
+    take the int8 path with x quantized once, Q6_K the fused kernel; one token stays on the GEMV,
+    I8_MAX_TOKENS + 1 leaves the path."""
+    types, rows = ("Q4_K", "Q6_K", "Q4_K"), (32, 16, 21)
+    raws = [_raw(t, r, K, 7 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
+    segs, start = [], 0
+    for t, raw in zip(types, raws, strict=True):
+        segs.append(tg.Segment(t, start, raw.shape[0], K, planes.repack(raw, t)))
+        start += raw.shape[0]
+    quantized, gemms = [], []
+    quantize, gemm = ti8.quantize_x, ti8.matmul_into
+    monkeypatch.setattr(ti8, "quantize_x", lambda x: quantized.append(x.shape[0]) or quantize(x))
+    monkeypatch.setattr(ti8, "matmul_into", lambda o, q, s, c=None: gemms.append((o.shape[0], s.rows)) or gemm(o, q, s, c))
+    gen = torch.Generator().manual_seed(9)
+    for m in (1, 3, ti8.I8_MAX_TOKENS + 1):
+        x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
+        ref = torch.cat([planes.reference_matmul(r, t, x) for r, t in zip(raws, types, strict=True)], 1)
+        got = tg.matmul(x, segs, start)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, start)
+        assert _rel(got, ref) < 1e-2, m
+    assert quantized == [3] and gemms == [(3, 32), (3, 21)]
+
+
+# ---------------------------------------------------------------------------- sm_90 compiles
+
+
+@pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
+def test_gguf_i8_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
+    check_compiles_in_child("tests.quant.test_gguf_i8", CASES, triton_path)
+
+
+def _gemm(rows: int) -> None:
+    """The launch `i8_config` picks at 16 tokens for a [rows, 4096] weight."""
+    from paphos.quant.gguf import triton_gguf_i8 as ti8
+
+    cfg = ti8.i8_config(rows, 4096, 16)
+    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "sum_ptr": "*i32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+            "count_ptr": "*i32", "w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+            "smin_ptr": "*fp16"}  # fmt: skip
+    ints = dict(M=16, N=rows, K=4096, stride_om=rows, iters_per_split=16 // cfg.split_k)
+    args |= {name: "i32" for name in ints}
+    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    ptx = compile_sm90(ti8._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+    if cfg.block_n == 64:  # the unpacked operand in registers: `{%r..}, {%r..}, descriptor`
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.s32\.s8\.s8 \{[^}]*\}, \{%r", ptx), ptx[-300:]
+    else:
+        assert cfg.num_warps == 2 and re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)
+    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
+
+
+CASES = {"mma.sync": (_gemm, 28672), "wgmma": (_gemm, 4096)}
+
+
+if __name__ == "__main__":
+    run_compiles(CASES)
