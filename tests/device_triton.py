@@ -27,10 +27,11 @@ def compile_env(triton_path: Path | None) -> dict[str, str]:
 
 
 def compile_sm90(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int,
-                 ints: dict[str, int] | None = None, stages: int = 3) -> str:  # fmt: skip
-    """PTX of the kernel for sm_90 with ptxas' resource usage appended (cuobjdump of the cubin);
-    pointers 16-byte aligned and integer arguments specialised as a launch does (`ints`: their
-    values, a multiple of 16 is marked divisible)."""
+                 ints: dict[str, int] | None = None, stages: int = 3, ttgir: bool = False) -> str:  # fmt: skip
+    """PTX of the kernel for sm_90 with ptxas' resource usage appended (cuobjdump of the cubin),
+    and its TTGIR after that with `ttgir` (the layouts Triton chose); pointers 16-byte aligned and
+    integer arguments specialised as a launch does (`ints`: their values, a multiple of 16 is
+    marked divisible)."""
     import tempfile
 
     import triton
@@ -50,7 +51,7 @@ def compile_sm90(fn: object, args: dict[str, str], constexprs: dict[str, object]
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
-    return kernel.asm["ptx"] + usage
+    return kernel.asm["ptx"] + usage + (kernel.asm["ttgir"] if ttgir else "")
 
 
 def check_compiles_in_child(module: str, cases: Mapping[str, tuple], triton_path: Path | None) -> None:

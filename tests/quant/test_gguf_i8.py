@@ -8,8 +8,9 @@
   one and several K slices, masked rows and tokens, 32- and 64-row programs.
 - `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for Q4_K segments, the
   fused kernel for a layer's other segments, x quantized once.
-- The kernel compiles for sm_90 with both tritons in the rule's two launches: mma.sync (32 rows,
-  2 warps) and wgmma (64 rows, 4 warps) with the codes in registers, no spills, PDL.
+- The kernel compiles for sm_90 with both tritons in the rule's launches: wgmma with the codes in
+  registers, no spills, PDL, and the scale multiplication in the dot operand's layout (four
+  codes of one sub-block per register); a 32-row program (mma.sync) keeps that layout too.
 """
 
 from __future__ import annotations
@@ -79,15 +80,15 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     x[1, 256:512] = 0  # an all-zero block: dx 0, parts 0
     x[2, :256] *= 1000
     parts, dx, sums = ti8.quantize_x(x)
-    ref = x_blocks.reference_quantize(x, stream_order(), 256, 32)
-    assert parts.shape == (2, 5, 768) and dx.shape == (5, 3) and sums.shape == (5, 24)
+    ref = x_blocks.reference_quantize(x, stream_order(), 256, 256)
+    assert parts.shape == (2, 5, 768) and dx.shape == (5, 3) and sums.shape == (5, 3)
     assert torch.equal(parts, ref[0]) and torch.equal(dx, ref[1]) and torch.equal(sums, ref[2])
     assert not parts[:, 1, 256:512].any() and dx[1, 1] == 0
     q = parts.float()
     rep = (q[0] + q[1] / 254) * dx.repeat_interleave(256, 1)  # the represented x, within half a step
     source = x.float()[:, (torch.arange(0, 768, 256).reshape(-1, 1) + stream_order()).reshape(-1)]
     assert ((rep - source).abs() <= dx.repeat_interleave(256, 1) / 508 * 1.01).all()
-    assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 24, 32).sum(-1).int())
+    assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
 def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
@@ -95,7 +96,8 @@ def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     seg = tg.Segment("Q4_K", 0, N, K, planes.repack(raw, "Q4_K"))
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
-    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2)), (9, ti8.GGUFI8Config(16, 16, 2, 1)), (16, ti8.GGUFI8Config(64, 16, 2)))
+    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2, block_k=128)), (9, ti8.GGUFI8Config(16, 16, 2, 1)),
+             (16, ti8.GGUFI8Config(64, 16, 2)))  # fmt: skip
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
@@ -136,26 +138,33 @@ def test_gguf_i8_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
     check_compiles_in_child("tests.quant.test_gguf_i8", CASES, triton_path)
 
 
-def _gemm(rows: int) -> None:
-    """The launch `i8_config` picks at 16 tokens for a [rows, 4096] weight."""
+def _gemm(rows: int, k: int, mma_sync: bool = False) -> None:
+    """The launch `i8_config` picks at 16 tokens for a [rows, k] weight (or a 32-row mma.sync
+    program with its K step of 128)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
-    cfg = ti8.i8_config(rows, 4096, 16)
-    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "sum_ptr": "*i32", "out_ptr": "*bf16", "part_ptr": "*fp32",
-            "count_ptr": "*i32", "w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
-            "smin_ptr": "*fp16"}  # fmt: skip
-    ints = dict(M=16, N=rows, K=4096, stride_om=rows, iters_per_split=16 // cfg.split_k)
+    cfg = ti8.i8_config(rows, k, 16)
+    if mma_sync:
+        cfg = ti8.GGUFI8Config(32, 16, cfg.split_k, 2, 3, 128)
+    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+            "w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8", "smin_ptr": "*fp16"}  # fmt: skip
+    ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
-    ptx = compile_sm90(ti8._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
-    if cfg.block_n == 64:  # the unpacked operand in registers: `{%r..}, {%r..}, descriptor`
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.s32\.s8\.s8 \{[^}]*\}, \{%r", ptx), ptx[-300:]
-    else:
-        assert cfg.num_warps == 2 and re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)
-    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
+    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, KS=cfg.block_k, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    ptx = compile_sm90(ti8._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
+    # `_scale_halves` multiplies four codes by the first one's scale half: its operands must be in
+    # the dot's operand layout with 4, 8 or 16 consecutive K values of a row per register
+    scale_op = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and "mul.lo.u32" in line)
+    assert re.search(r"tensor<\d+x\d+xi8, #ttg\.dot_op<\{opIdx = 0, parent = #mma, kWidth = (4|8|16)\}>", scale_op), scale_op
+    if mma_sync:
+        assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)
+        return
+    # the scaled codes in registers: `{%r..}, {%r..}, descriptor`
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.s32\.s8\.s8 \{[^}]*\}, \{%r", ptx)
+    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
-CASES = {"mma.sync": (_gemm, 28672), "wgmma": (_gemm, 4096)}
+CASES = {"gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True)}
 
 
 if __name__ == "__main__":

@@ -6,24 +6,28 @@ Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x), seg)` for
 segment of a linear (`supports`); two launches per linear:
   1. paphos/quant/kernels/x_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
      with one dx per token and super-block of XB = 256 values, in the order the kernel
-     multiplies the plane's codes (`stream_order`), with the integer sum per 32 values.
+     multiplies the plane's codes (`stream_order`).
   2. `_gemm_kernel`: out^T = W x^T, BN weight rows x BM tokens a program (both x parts side by
-     side: N = 2 BM columns). Per 32-value sub-block (16 bytes a row): low nibbles (AND) and
-     high nibbles (shift, AND) joined into one K=32 int8 operand, one dot (mma.sync or wgmma
-     s8), then in int32, exactly: acc += D * sc and mins += mn * sum(x) (6-bit scale and min);
-     per super-block float32 acc += (d acc - dmin mins) dx / 254, the parts summed at the end.
-     Split-K through split_k.store_tile as the integer family's kernels.
+     side: N = 2 BM columns), KS = 256 values (a super-block) a step. A Q4_K value is
+     d sc q - dmin mn with a 6-bit scale sc and min mn per 32 values: per step the low and high
+     nibbles (AND; shift, AND) are joined into the K-ordered codes q, and sc = 8 s_hi + s_lo
+     (3 bits each) turns them into two int8 operands, s_hi q and s_lo q (at most 105: one
+     32-bit multiplication makes four), so that three int8 dots (wgmma s8, the operands in
+     registers) give the step exactly in int32: 8 (s_hi q . x) + (s_lo q . x) and mn . x (mn at
+     every position of its sub-block); then one float32 step, (d D - dmin Dmin) dx / 254, the
+     parts summed at the end. Split-K through split_k.store_tile as the integer family's kernels.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
 
-Measured on an H100 (benchmarks/bench_gguf_gpu.py `i8`, 16 tokens, the Q4_K shapes of a
-Llama-3-8B Q4_K_M layer, CUDA-graph replays, weights from memory, x's launch included): q|k
-31.2 us (fused kernel 37.5), o 24.1 (30.8), gate|up 119.1 (178.3), down 57.6 (88.0). cuBLAS in
-bf16 takes 16.7 / 16.5 / 83.5 / 45.3: a dot and its scale per 32 values leaves the kernel
-issue-bound at 19-20 % of copy bandwidth (the integer family's per-128 scales reach 58 %,
-triton_int_i8.py). Q8_0 and Q6_K (16-value groups: a zero-padded K=32 dot each) were measured
-on the same path and lost to the fused kernel (Q8_0 layer 178 against 170 us, Q6_K down 112
-against 80), so they stay there.
+Measured on the H200 (benchmarks/bench_gguf_gpu.py `i8`, 16 tokens, the Q4_K linears of a
+Llama-3-8B Q4_K_M layer, CUDA-graph replays, weights from memory, x's launch included): q|k 22.6
+us (the fused kernel 37.6, cuBLAS bf16 13.0), o 15.2 (31.3, 13.3), gate|up 70.1 (186.2, 60.5),
+down 38.0 (90.5, 32.1): 145.9 us a layer against 345.7 fused and 118.9 bf16 (0.82 x), 22-24 %
+of copy bandwidth. The first version of this kernel took one K=32 dot per sub-block and applied
+its scale to the int32 result before the next (a wait on every dot): 1.47x bf16's time for
+these linears on an H100 (250.5 against 170.2 us), against 1.23x now (H200). Q8_0 (a float scale
+per 32 values) and Q6_K (signed 8-bit scales per 16 values: no two-way split into int8
+products) measured on that first version lost to the fused kernel and stay there.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ except ImportError:  # CPU-only installs: the torch reference (planes.reference_
     triton = None
 
 XB = 256  # K values per x block: one dx per token and block, the kernel's K step
-SUM_EVERY = 32  # values per integer sum of x (a sub-block)
 # Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS): one
 # 16-token tile (with 32 tokens a tile ptxas spills the three accumulators; two tiles would
 # unpack every code twice)
@@ -72,17 +75,42 @@ def stream_order() -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _scale_halves(codes, s_hi, s_lo, ASM: tl.constexpr):
+        """Codes (int8, 0..15) and their sub-block's scale halves s_hi, s_lo (0..7, per code) ->
+        (code x s_hi, code x s_lo) as int8 (at most 105). GPU: four codes a register and one
+        32-bit multiplication for their four products (none carries into the next byte), by the
+        first code's scale half: the four codes an asm instance packs must share their scale,
+        which holds for the operand of the dot (four consecutive K values of one row, inside one
+        32-value sub-block), the layout Triton gives this op (tests/quant/test_gguf_i8.py checks
+        it in the sm_90 compile; the load-time self-check in triton_gguf.py checks the results)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 h, l; and.b32 h, $3, 0xFF; and.b32 l, $4, 0xFF; mul.lo.u32 $0, $2, h; mul.lo.u32 $1, $2, l; }",
+                "=r,=r,r,r,r", [codes, s_hi, s_lo], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            c = codes.to(tl.int32)
+            return (c * s_hi.to(tl.int32)).to(tl.int8), (c * s_lo.to(tl.int32)).to(tl.int8)
+
+    @triton.jit
+    def _per_byte(t, BN: tl.constexpr, S: tl.constexpr, R: tl.constexpr):
+        """[BN, S] -> [BN, S * R], each value repeated over its run of R."""
+        return tl.reshape(tl.broadcast_to(t[:, :, None], (BN, S, R)), (BN, S * R))
+
+    @triton.jit
     def _row_scalar(ptr, rows, row_ok, per_row, at):
         return tl.load(ptr + rows.to(tl.int64) * per_row + at, mask=row_ok, other=0)
 
     @triton.jit
     def _gemm_kernel(
-        q_ptr, dx_ptr, sum_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
+        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om, iters_per_split,
-        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        BN: tl.constexpr, BM: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
-        per program along grid axis 2 (module docstring). w_ptr: the code plane as bytes."""
+        per program along grid axis 2, KS values a step (128 or 256; module docstring). w_ptr:
+        the code plane as bytes."""
         pdl.release(PDL)
         pdl.wait(PDL)
         pid_m = tl.program_id(0)
@@ -100,27 +128,33 @@ if triton is not None:
         n_blocks = K // 256
         it0 = pid_k * iters_per_split
         it1 = tl.minimum(it0 + iters_per_split, n_blocks)
-        x_cols = q_ptr + (tl.where(first, 0, M) + tok).to(tl.int64)[None, :] * K + tl.arange(0, 32)[:, None]
+        S: tl.constexpr = KS // 32  # sub-blocks a step
+        x_cols = q_ptr + (tl.where(first, 0, M) + tok).to(tl.int64)[None, :] * K + tl.arange(0, KS)[:, None]
         x_ok = tok_ok[None, :]
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 2) + tl.arange(0, 16)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, KS // 2)[None, :]
+        s_rows = r64 * (K // 32) + tl.arange(0, S)[None, :]
         part_w = tl.where(first, 1.0, 1.0 / 254.0)  # 254 * (codes . q1) + codes . q2, over 254
         acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
         for it in range(it0, it1):
-            blk = tl.zeros((BN, 2 * BM), dtype=tl.int32)
-            mins = tl.zeros((BN, 2 * BM), dtype=tl.int32)
-            sums = sum_ptr + tok * (K // 32) + it * 8
-            for s in tl.static_range(8):
-                lo, hi = nibbles_i8(tl.load(w_rows + it * 128 + 16 * s, mask=row_ok[:, None], other=0), ASM)
-                a = tl.reshape(tl.join(lo, hi), (BN, 32))
-                d = tl.dot(a, tl.load(x_cols + it * 256 + 32 * s, mask=x_ok, other=0), out_dtype=tl.int32)
-                sc = _row_scalar(sc_ptr, rows, row_ok, K // 32, it * 8 + s).to(tl.int32)
-                mn = _row_scalar(mn_ptr, rows, row_ok, K // 32, it * 8 + s).to(tl.int32)
-                blk += d * sc[:, None]
-                mins += mn[:, None] * tl.load(sums + s, mask=tok_ok & first, other=0)[None, :]
             dd = _row_scalar(sd_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
-            dm = _row_scalar(smin_ptr, rows, row_ok, n_blocks, it).to(tl.float32) * (1.0 / 254.0)
+            dm = _row_scalar(smin_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
             dx = tl.load(dx_ptr + tok * n_blocks + it, mask=tok_ok, other=0.0) * part_w
-            acc += (blk.to(tl.float32) * dd[:, None] - mins.to(tl.float32) * dm[:, None]) * dx[None, :]
+            for h in tl.static_range(256 // KS):
+                k0 = it * 256 + h * KS
+                sc = tl.load(sc_ptr + s_rows + k0 // 32, mask=row_ok[:, None], other=0)
+                mn = tl.load(mn_ptr + s_rows + k0 // 32, mask=row_ok[:, None], other=0)
+                wb = tl.load(w_rows + k0 // 2, mask=row_ok[:, None], other=0)
+                x = tl.load(x_cols + k0, mask=x_ok, other=0)
+                lo, hi = nibbles_i8(wb, ASM)
+                sc_k = _per_byte(sc, BN, S, 32)
+                # sc * code = 8 (s_hi code) + s_lo code, each product an int8; the minimum's dot
+                # takes mn at every code position of its sub-block
+                a_hi, a_lo = _scale_halves(tl.reshape(tl.join(lo, hi), (BN, KS)), sc_k >> 3, sc_k & 7, ASM)
+                d_hi = tl.dot(a_hi, x, out_dtype=tl.int32)
+                d_lo = tl.dot(a_lo, x, out_dtype=tl.int32)
+                d_mn = tl.dot(_per_byte(mn.to(tl.int8), BN, S, 32), x, out_dtype=tl.int32)
+                acc += ((8 * d_hi + d_lo).to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
         acc = tl.sum(tl.reshape(tl.permute(tl.reshape(acc, (BN, 2, BM)), (0, 2, 1)), (BN, BM, 2)), axis=2)
         split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
                            pid_n * tl.num_programs(0) + pid_m, pid_k, tl.num_programs(2), SPLIT, ASM)  # fmt: skip
@@ -138,6 +172,7 @@ class GGUFI8Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    block_k: int = 256  # K values a step: a super-block, or 128 (two steps a super-block)
 
 
 # (N, K, tokens per program) -> a launch measured better than `i8_config`'s, filled by
@@ -145,32 +180,28 @@ class GGUFI8Config:
 TUNED_CONFIGS: dict[tuple[int, int, int], GGUFI8Config] = {}
 
 
-def i8_config(
-    rows: int, k: int, m: int, programs_per_sm: int | None = None, block_n: int | None = None, num_warps: int = 4
-) -> GGUFI8Config:
-    """The launch at M tokens (16 per program), by the rule the H100 sweep's winners follow (module docstring's shapes): 32 rows and 2 warps
-    (mma.sync) where a layer has 160 such row tiles or more (q|k, gate|up), K split towards 8
-    programs per multiprocessor; else 64 rows and 4 warps (wgmma), towards 2 (o, down). K is split
-    while each slice keeps two super-blocks or more; `programs_per_sm`, `block_n` and `num_warps`
-    override the rule. A per-shape entry of TUNED_CONFIGS wins. (sm_90 compiles: 128 rows spill
-    with 4 warps at 16 tokens and with 8 warps at 32.)"""
+def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> GGUFI8Config:
+    """The launch at M tokens (16 per program) by the rule the H200 sweep's winners follow (the
+    module docstring's shapes): 64 rows, 4 warps (wgmma), 256 values a step, 3 stages, K split
+    while the grid stays within `programs_per_sm` programs per multiprocessor and each slice keeps
+    two super-blocks (q|k 2 slices, o and down 4). A per-shape entry of TUNED_CONFIGS wins. (32
+    rows with 2 warps, mma.sync, came 1.2-1.4x slower, and spill under triton 3.6.)"""
     bm = 16
     tuned = TUNED_CONFIGS.get((rows, k, bm))
-    if tuned is not None and programs_per_sm is None and block_n is None:
+    if tuned is not None:
         return tuned
-    if block_n is None:
-        block_n, num_warps = (32, 2) if rows >= 160 * 32 else (64, 4)
-    per_sm = programs_per_sm or (8 if block_n == 32 else 2)
+    block_n = 64
     tiles = math.ceil(rows / block_n) * math.ceil(m / bm)
     blocks, split = k // XB, 1
-    while blocks // (split * 2) >= 2 and tiles * split * 2 <= per_sm * split_k.NUM_SMS_GUESS:
+    while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
-    return GGUFI8Config(block_n, bm, split, num_warps)
+    return GGUFI8Config(block_n, bm, split)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> the (parts, dx, sums) `_gemm_kernel` reads."""
-    return x_blocks.quantize(x, x_blocks.device_order(stream_order(), x.device), XB, SUM_EVERY)
+    """x [M, K] -> the (parts, dx, sums) of x_blocks; `_gemm_kernel` reads the parts and dx (the
+    minimum's own dot replaces the sums)."""
+    return x_blocks.quantize(x, x_blocks.device_order(stream_order(), x.device), XB, XB)
 
 
 def matmul_into(
@@ -179,7 +210,7 @@ def matmul_into(
 ) -> None:  # fmt: skip
     """out [M, seg.rows] (a column slice of the linear's output, unit stride on rows) = x W^T of
     one Q4_K segment (triton_gguf.Segment), from `quantize_x`; `cfg` overrides `i8_config`."""
-    parts, dx, sums = xq
+    parts, dx, _ = xq
     m, k = out.shape[0], seg.k
     n = seg.rows
     cfg = cfg or i8_config(n, k, m)
@@ -193,7 +224,7 @@ def matmul_into(
     counters = split_k.counters(out.device) if split else partials
     p = seg.planes
     _gemm_kernel[grid](
-        parts, dx, sums, out, partials, counters, p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"], p["smin"],
-        m, n, k, out.stride(0), per_split, BN=cfg.block_n, BM=cfg.block_m, SPLIT=split, ASM=out.is_cuda,
+        parts, dx, out, partials, counters, p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"], p["smin"],
+        m, n, k, out.stride(0), per_split, BN=cfg.block_n, KS=cfg.block_k, BM=cfg.block_m, SPLIT=split, ASM=out.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip
