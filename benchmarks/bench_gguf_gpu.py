@@ -16,7 +16,7 @@ after every section so a timeout keeps what finished):
              BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight); an integer-dot
              call includes its launch quantizing x
   i8         the int8 tensor-core kernel (triton_gguf_i8, Q4_K) per shape at --i8-ms tokens: its
-             default launch and a sweep of tiles / warps / stages / K steps / K split targets (the best installed in triton_gguf_i8.TUNED_CONFIGS for the engine
+             default launch and a sweep of tiles / warps / stages / K split targets (the best installed in triton_gguf_i8.TUNED_CONFIGS for the engine
              sections after it), beside the fused kernel and cuBLAS bf16 on the same shape
              (CUDA-graph replays cycling through copies larger than L2; times include x's
              quantizing launch); relative error against the float32 reference
@@ -266,7 +266,7 @@ def _i8_candidates(n: int, k: int, m: int) -> list[ti8.GGUFI8Config]:
             base = dataclasses.replace(ti8.i8_config(n, k, m, per_sm), block_n=bn, num_warps=warps)
             if bn != 64:  # the same programs per SM with smaller tiles
                 base = dataclasses.replace(base, split_k=max(1, base.split_k * bn // 64))
-            out += [dataclasses.replace(base, num_stages=stages, block_k=ks) for ks in (256, 128) for stages in (3, 4)]
+            out += [dataclasses.replace(base, num_stages=stages) for stages in (3, 4)]
     return list(dict.fromkeys(out))
 
 

@@ -1,7 +1,7 @@
 """GGUF's int8 tensor-core path for Q4_K (paphos/quant/gguf/triton_gguf_i8.py).
 
 - `stream_order` is the order of the codes in the kernel's operands, read from repacked planes
-  the way the kernel reads them (bytes, nibbles joined into K=32 operands); x_blocks.quantize
+  the way the kernel reads them (a super-block's bytes: low nibbles, then high); x_blocks.quantize
   writes x in that order, bit for bit its torch reference, within half a step of dx / 254.
 - The GEMM under the interpreter against dequantize-then-float32-matmul (planes.reference_matmul)
   within 1e-4 of max|ref| (x's quantization; the integer sums are exact), at 2, 9 and 16 tokens,
@@ -68,8 +68,8 @@ def test_stream_order_is_the_operands_code_order() -> None:
     natural = planes._codes_and_scales(raw.reshape(-1, planes.type_size("Q4_K")), "Q4_K")["q"].reshape(8, K).long()
     order = stream_order()
     assert sorted(order.tolist()) == list(range(256))
-    b = planes.repack(raw, "Q4_K")["lo"].contiguous().view(torch.uint8).long()
-    operands = torch.stack([b & 15, b >> 4], -1).reshape(8, K)  # per 16 bytes: the joined K=32 operand
+    b = planes.repack(raw, "Q4_K")["lo"].contiguous().view(torch.uint8).long().reshape(8, -1, 128)
+    operands = torch.cat([b & 15, b >> 4], -1).reshape(8, K)  # per super-block: low nibbles, then high
     assert torch.equal(operands, natural[:, (torch.arange(0, K, 256).reshape(-1, 1) + order).reshape(-1)])
 
 
@@ -96,8 +96,7 @@ def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     seg = tg.Segment("Q4_K", 0, N, K, planes.repack(raw, "Q4_K"))
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
-    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2, block_k=128)), (9, ti8.GGUFI8Config(16, 16, 2, 1)),
-             (16, ti8.GGUFI8Config(64, 16, 2)))  # fmt: skip
+    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2)), (9, ti8.GGUFI8Config(16, 16, 2, 1)), (16, ti8.GGUFI8Config(64, 16, 2)))
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
@@ -140,17 +139,17 @@ def test_gguf_i8_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
 
 def _gemm(rows: int, k: int, mma_sync: bool = False) -> None:
     """The launch `i8_config` picks at 16 tokens for a [rows, k] weight (or a 32-row mma.sync
-    program with its K step of 128)."""
+    program)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
     cfg = ti8.i8_config(rows, k, 16)
     if mma_sync:
-        cfg = ti8.GGUFI8Config(32, 16, cfg.split_k, 2, 3, 128)
+        cfg = ti8.GGUFI8Config(32, 16, cfg.split_k, 2, 3)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
             "w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8", "smin_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, KS=cfg.block_k, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
     ptx = compile_sm90(ti8._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
     # `_scale_halves` multiplies four codes by the first one's scale half: its operands must be in
     # the dot's operand layout with 4, 8 or 16 consecutive K values of a row per register

@@ -8,26 +8,28 @@ segment of a linear (`supports`); two launches per linear:
      with one dx per token and super-block of XB = 256 values, in the order the kernel
      multiplies the plane's codes (`stream_order`).
   2. `_gemm_kernel`: out^T = W x^T, BN weight rows x BM tokens a program (both x parts side by
-     side: N = 2 BM columns), KS = 256 values (a super-block) a step. A Q4_K value is
-     d sc q - dmin mn with a 6-bit scale sc and min mn per 32 values: per step the low and high
-     nibbles (AND; shift, AND) are joined into the K-ordered codes q, and sc = 8 s_hi + s_lo
-     (3 bits each) turns them into two int8 operands, s_hi q and s_lo q (at most 105: one
-     32-bit multiplication makes four), so that three int8 dots (wgmma s8, the operands in
-     registers) give the step exactly in int32: 8 (s_hi q . x) + (s_lo q . x) and mn . x (mn at
-     every position of its sub-block); then one float32 step, (d D - dmin Dmin) dx / 254, the
-     parts summed at the end. Split-K through split_k.store_tile as the integer family's kernels.
+     side: N = 2 BM columns), one super-block (256 values, 128 bytes a row) a step. A Q4_K value
+     is d sc q - dmin mn with a 6-bit scale sc and min mn per 32 values: the bytes' low nibbles
+     (AND) and high nibbles (shift, AND) are two K=128 operands as they lie in registers, and
+     sc = 8 s_hi + s_lo (3 bits each) makes int8 operands of them, s_hi q and s_lo q (at most
+     105: one 32-bit multiplication makes four), so that int8 dots (wgmma s8, the operands in
+     registers, chained without a wait) give the step exactly in int32: 8 (s_hi q . x) + (s_lo q
+     . x) and mn . x (mn at every position of its sub-block); then one float32 step, (d D - dmin
+     Dmin) dx / 254, the parts summed at the end. Split-K through split_k.store_tile as the
+     integer family's kernels.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
 
-Measured on the H200 (benchmarks/bench_gguf_gpu.py `i8`, 16 tokens, the Q4_K linears of a
-Llama-3-8B Q4_K_M layer, CUDA-graph replays, weights from memory, x's launch included): q|k 22.6
-us (the fused kernel 37.6, cuBLAS bf16 13.0), o 15.2 (31.3, 13.3), gate|up 70.1 (186.2, 60.5),
-down 38.0 (90.5, 32.1): 145.9 us a layer against 345.7 fused and 118.9 bf16 (0.82 x), 22-24 %
-of copy bandwidth. The first version of this kernel took one K=32 dot per sub-block and applied
-its scale to the int32 result before the next (a wait on every dot): 1.47x bf16's time for
-these linears on an H100 (250.5 against 170.2 us), against 1.23x now (H200). Q8_0 (a float scale
-per 32 values) and Q6_K (signed 8-bit scales per 16 values: no two-way split into int8
-products) measured on that first version lost to the fused kernel and stay there.
+Measured (benchmarks/bench_gguf_gpu.py `i8`, 16 tokens, the Q4_K linears of a Llama-3-8B Q4_K_M
+layer, CUDA-graph replays, weights from memory, x's launch included), on an H100: q|k 20.0 us
+(the fused kernel 37.2, cuBLAS bf16 16.9), o 14.8 (30.9, 15.8), gate|up 60.0 (178.0, 83.8),
+down 34.8 (87.9, 45.1): 129.6 us a layer against 333.9 fused and 161.7 bf16 (1.25x bf16),
+20-38 % of copy bandwidth, issue-bound. Earlier versions: the nibbles joined into K-ordered
+codes first (byte permutes for every operand register): 145.9 us against bf16's 118.9 on an
+H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
+wait on every dot): 250.5 against 170.2 on an H100. Q8_0 (a float scale per 32 values) and Q6_K
+(signed 8-bit scales per 16 values: no two-way split into int8 products) measured on that first
+version lost to the fused kernel and stay there.
 """
 
 from __future__ import annotations
@@ -62,12 +64,14 @@ def supports(type_name: str, k: int) -> bool:
 
 def stream_order() -> torch.Tensor:
     """[XB] int64: position j of a quantized x block holds value stream_order()[j] of the block,
-    the order of the codes in the kernel's operands: per 32-value sub-block (16 bytes, a tile
-    group of T = 4 words; code p of word w is value p * 4 + w, planes.py) the joined operand holds
-    byte i's low nibble (code 2 (i % 4) of word i // 4) at 2i and its high nibble at 2i + 1."""
+    the order of the codes in the kernel's operands: the low nibbles of the super-block's 128
+    bytes, then their high nibbles. Byte i is byte 4w + b of sub-block i // 16's tile group (T =
+    4 words; code p of word w is value p * 4 + w, planes.py): codes 2b (low) and 2b + 1 (high)
+    of word w."""
     j = torch.arange(XB)
-    byte, high = j % 32 // 2, j % 2
-    return j // 32 * 32 + (2 * (byte % 4) + high) * 4 + byte // 4
+    high, byte = j // 128, j % 128
+    t = byte % 16
+    return byte // 16 * 32 + (2 * (t % 4) + high) * 4 + t // 4
 
 
 # ---------------------------------------------------------------------------- Triton kernel
@@ -105,12 +109,10 @@ if triton is not None:
     def _gemm_kernel(
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om, iters_per_split,
-        BN: tl.constexpr, BM: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr,
+        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
-        per program along grid axis 2, KS values a step (128 or 256; module docstring). w_ptr:
-        the code plane as bytes."""
+        per program along grid axis 2 (module docstring). w_ptr: the code plane as bytes."""
         pdl.release(PDL)
         pdl.wait(PDL)
         pid_m = tl.program_id(0)
@@ -128,33 +130,34 @@ if triton is not None:
         n_blocks = K // 256
         it0 = pid_k * iters_per_split
         it1 = tl.minimum(it0 + iters_per_split, n_blocks)
-        S: tl.constexpr = KS // 32  # sub-blocks a step
-        x_cols = q_ptr + (tl.where(first, 0, M) + tok).to(tl.int64)[None, :] * K + tl.arange(0, KS)[:, None]
+        x_cols = q_ptr + (tl.where(first, 0, M) + tok).to(tl.int64)[None, :] * K + tl.arange(0, 128)[:, None]
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, KS // 2)[None, :]
-        s_rows = r64 * (K // 32) + tl.arange(0, S)[None, :]
+        w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, 128)[None, :]
+        s_rows = r64 * (K // 32) + tl.arange(0, 8)[None, :]
         part_w = tl.where(first, 1.0, 1.0 / 254.0)  # 254 * (codes . q1) + codes . q2, over 254
         acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
         for it in range(it0, it1):
+            sc = tl.load(sc_ptr + s_rows + it * 8, mask=row_ok[:, None], other=0)
+            mn = tl.load(mn_ptr + s_rows + it * 8, mask=row_ok[:, None], other=0)
+            wb = tl.load(w_rows + it * 128, mask=row_ok[:, None], other=0)
+            x_lo = tl.load(x_cols + it * 256, mask=x_ok, other=0)  # x at the low nibbles' values
+            x_hi = tl.load(x_cols + it * 256 + 128, mask=x_ok, other=0)
             dd = _row_scalar(sd_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
             dm = _row_scalar(smin_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
             dx = tl.load(dx_ptr + tok * n_blocks + it, mask=tok_ok, other=0.0) * part_w
-            for h in tl.static_range(256 // KS):
-                k0 = it * 256 + h * KS
-                sc = tl.load(sc_ptr + s_rows + k0 // 32, mask=row_ok[:, None], other=0)
-                mn = tl.load(mn_ptr + s_rows + k0 // 32, mask=row_ok[:, None], other=0)
-                wb = tl.load(w_rows + k0 // 2, mask=row_ok[:, None], other=0)
-                x = tl.load(x_cols + k0, mask=x_ok, other=0)
-                lo, hi = nibbles_i8(wb, ASM)
-                sc_k = _per_byte(sc, BN, S, 32)
-                # sc * code = 8 (s_hi code) + s_lo code, each product an int8; the minimum's dot
-                # takes mn at every code position of its sub-block
-                a_hi, a_lo = _scale_halves(tl.reshape(tl.join(lo, hi), (BN, KS)), sc_k >> 3, sc_k & 7, ASM)
-                d_hi = tl.dot(a_hi, x, out_dtype=tl.int32)
-                d_lo = tl.dot(a_lo, x, out_dtype=tl.int32)
-                d_mn = tl.dot(_per_byte(mn.to(tl.int8), BN, S, 32), x, out_dtype=tl.int32)
-                acc += ((8 * d_hi + d_lo).to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
+            lo, hi = nibbles_i8(wb, ASM)  # [BN, 128]: byte i's codes, sub-block i // 16
+            s_hi = _per_byte(sc >> 3, BN, 8, 16)
+            s_lo = _per_byte(sc & 7, BN, 8, 16)
+            # sc * code = 8 (s_hi code) + s_lo code, each product an int8; the minimum's dots take
+            # mn at every code position of its sub-block
+            lo_h, lo_l = _scale_halves(lo, s_hi, s_lo, ASM)
+            hi_h, hi_l = _scale_halves(hi, s_hi, s_lo, ASM)
+            d_hi = tl.dot(hi_h, x_hi, tl.dot(lo_h, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
+            d_lo = tl.dot(hi_l, x_hi, tl.dot(lo_l, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
+            mn_b = _per_byte(mn.to(tl.int8), BN, 8, 16)
+            d_mn = tl.dot(mn_b, x_hi, tl.dot(mn_b, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
+            acc += ((8 * d_hi + d_lo).to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
         acc = tl.sum(tl.reshape(tl.permute(tl.reshape(acc, (BN, 2, BM)), (0, 2, 1)), (BN, BM, 2)), axis=2)
         split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
                            pid_n * tl.num_programs(0) + pid_m, pid_k, tl.num_programs(2), SPLIT, ASM)  # fmt: skip
@@ -172,7 +175,6 @@ class GGUFI8Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    block_k: int = 256  # K values a step: a super-block, or 128 (two steps a super-block)
 
 
 # (N, K, tokens per program) -> a launch measured better than `i8_config`'s, filled by
@@ -225,6 +227,6 @@ def matmul_into(
     p = seg.planes
     _gemm_kernel[grid](
         parts, dx, out, partials, counters, p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"], p["smin"],
-        m, n, k, out.stride(0), per_split, BN=cfg.block_n, KS=cfg.block_k, BM=cfg.block_m, SPLIT=split, ASM=out.is_cuda,
+        m, n, k, out.stride(0), per_split, BN=cfg.block_n, BM=cfg.block_m, SPLIT=split, ASM=out.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip
