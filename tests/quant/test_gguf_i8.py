@@ -4,8 +4,9 @@
   the way the kernel reads them (a super-block's bytes: low nibbles, then high); x_blocks.quantize
   writes x in that order, bit for bit its torch reference, within half a step of dx / 254.
 - The GEMM under the interpreter against dequantize-then-float32-matmul (planes.reference_matmul)
-  within 1e-4 of max|ref| (x's quantization; the integer sums are exact), at 2, 9 and 16 tokens,
-  one and several K slices, masked rows and tokens, 32- and 64-row programs.
+  within 1e-4 of max|ref| (x's quantization; the integer sums are exact), at 2, 9, 16 and 29
+  tokens (two token tiles), one and several K slices, masked rows and tokens, 16- to 64-row
+  programs.
 - `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for Q4_K segments, the
   fused kernel for a layer's other segments, x quantized once.
 - The kernel compiles for sm_90 with both tritons in the rule's launches: wgmma with the codes in
@@ -96,7 +97,8 @@ def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     seg = tg.Segment("Q4_K", 0, N, K, planes.repack(raw, "Q4_K"))
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
-    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2)), (9, ti8.GGUFI8Config(16, 16, 2, 1)), (16, ti8.GGUFI8Config(64, 16, 2)))
+    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2)), (9, ti8.GGUFI8Config(16, 16, 2, 1)), (16, ti8.GGUFI8Config(64, 16, 2)),
+             (29, ti8.GGUFI8Config(16, 16, 2)))  # two token tiles  # fmt: skip
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
@@ -120,13 +122,14 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(ti8, "quantize_x", lambda x: quantized.append(x.shape[0]) or quantize(x))
     monkeypatch.setattr(ti8, "matmul_into", lambda o, q, s, c=None: gemms.append((o.shape[0], s.rows)) or gemm(o, q, s, c))
     gen = torch.Generator().manual_seed(9)
-    for m in (1, 3, ti8.I8_MAX_TOKENS + 1):
+    for m in (1, 3, ti8.I8_MAX_TOKENS, ti8.I8_MAX_TOKENS + 1):
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         ref = torch.cat([planes.reference_matmul(r, t, x) for r, t in zip(raws, types, strict=True)], 1)
         got = tg.matmul(x, segs, start)
         assert got.dtype == torch.bfloat16 and got.shape == (m, start)
         assert _rel(got, ref) < 1e-2, m
-    assert quantized == [3] and gemms == [(3, 32), (3, 21)]
+    top = ti8.I8_MAX_TOKENS
+    assert quantized == [3, top] and gemms == [(3, 32), (3, 21), (top, 32), (top, 21)]
 
 
 # ---------------------------------------------------------------------------- sm_90 compiles

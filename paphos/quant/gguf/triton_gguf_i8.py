@@ -52,10 +52,11 @@ except ImportError:  # CPU-only installs: the torch reference (planes.reference_
     triton = None
 
 XB = 256  # K values per x block: one dx per token and block, the kernel's K step
-# Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS): one
-# 16-token tile (with 32 tokens a tile ptxas spills the three accumulators; two tiles would
-# unpack every code twice)
-I8_MAX_TOKENS = 16
+# Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS), in
+# tiles of 16 tokens (with 32 a tile ptxas spills). 17-32 tokens, two tiles, were not measured:
+# at most twice the 16-token time (H100: 259 us for a layer's Q4_K linears), below the fused
+# kernel's 340 us at 32 tokens; at 64, four tiles' 518 us would not be.
+I8_MAX_TOKENS = 32
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -183,7 +184,8 @@ TUNED_CONFIGS: dict[tuple[int, int, int], GGUFI8Config] = {}
 
 
 def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> GGUFI8Config:
-    """The launch at M tokens (16 per program) by the rule the H200 sweep's winners follow (the
+    """The launch at M tokens (16 per program, the token tiles of a row tile side by side in the
+    grid so the second reads the weights from L2) by the rule the H200 sweep's winners follow (the
     module docstring's shapes): 64 rows, 4 warps (wgmma), 256 values a step, 3 stages, K split
     while the grid stays within `programs_per_sm` programs per multiprocessor and each slice keeps
     two super-blocks (q|k 2 slices, o and down 4). A per-shape entry of TUNED_CONFIGS wins. (32
