@@ -258,7 +258,7 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
 I8_SHAPES = tuple(s for s in GEMV_SHAPES if ti8.supports(s[0], s[3]))
 
 
-def _i8_candidates(n: int, k: int, m: int) -> list[ti8.GGUFI8Config]:
+def _i8_candidates(n: int, k: int, m: int) -> list[ti8.I8Config]:
     """The rule's tile with other K splits, steps and stages, then mma.sync tiles (32 or 16 rows)."""
     out = []
     for bn, warps in ((64, 4), (32, 2), (16, 1)):
@@ -289,7 +289,7 @@ def section_i8(bench: Bench) -> dict[str, Any]:
             row["fused_us"] = 1e6 * graph_time([lambda s=c, v=x, n=n: tg.fused_matmul(v, [s], n) for c in copies])
             dst = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
-            def run(cfg: ti8.GGUFI8Config | None, s: tg.Segment, v: torch.Tensor = x, d: torch.Tensor = dst) -> None:
+            def run(cfg: ti8.I8Config | None, s: tg.Segment, v: torch.Tensor = x, d: torch.Tensor = dst) -> None:
                 ti8.matmul_into(d, ti8.quantize_x(v), s, cfg)
 
             ti8.TUNED_CONFIGS.pop((n, k, 16), None)
@@ -309,7 +309,7 @@ def section_i8(bench: Bench) -> dict[str, Any]:
                 results.append({"cfg": cfg.__dict__, "us": t * 1e6, "rel_err": err})
             ok = [r for r in results if "us" in r]
             best = min(ok, key=lambda r: r["us"])
-            ti8.TUNED_CONFIGS[(n, k, default.block_m)] = ti8.GGUFI8Config(**best["cfg"])
+            ti8.TUNED_CONFIGS[(n, k, default.block_m)] = ti8.I8Config(**best["cfg"])
             row |= {
                 "default_us": ok[0]["us"] if results[0] is ok[0] else None, "best_us": best["us"], "best": best["cfg"],
                 "GBps": seg.n_bytes() / best["us"] / 1e3, "frac_copy_bw": seg.n_bytes() / best["us"] / 1e-6 / bw if bw else None,

@@ -97,8 +97,8 @@ def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     seg = tg.Segment("Q4_K", 0, N, K, planes.repack(raw, "Q4_K"))
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
-    cases = ((2, ti8.GGUFI8Config(32, 16, 1, 2)), (9, ti8.GGUFI8Config(16, 16, 2, 1)), (16, ti8.GGUFI8Config(64, 16, 2)),
-             (29, ti8.GGUFI8Config(16, 16, 2)))  # two token tiles  # fmt: skip
+    cases = ((2, ti8.I8Config(32, 16, 1, 2)), (9, ti8.I8Config(16, 16, 2, 1)), (16, ti8.I8Config(64, 16, 2)),
+             (29, ti8.I8Config(16, 16, 2)))  # two token tiles  # fmt: skip
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
@@ -147,7 +147,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False) -> None:
 
     cfg = ti8.i8_config(rows, k, 16)
     if mma_sync:
-        cfg = ti8.GGUFI8Config(32, 16, cfg.split_k, 2, 3)
+        cfg = ti8.I8Config(32, 16, cfg.split_k, 2, 3)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
             "w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8", "smin_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)

@@ -35,12 +35,12 @@ version lost to the fused kernel and stay there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from paphos.layers import pdl
 from paphos.quant.kernels import x_blocks
+from paphos.quant.kernels.triton_int_i8 import I8Config
 
 try:
     import triton
@@ -118,20 +118,11 @@ if triton is not None:
         pdl.wait(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        rows = pid_n * BN + tl.arange(0, BN)
-        row_ok = rows < N
-        ms = pid_m * BM + tl.arange(0, BM)
-        m_ok = ms < M
-        # column j of the x operand: part j // BM of token pid_m * BM + j % BM
-        cols = tl.arange(0, 2 * BM)
-        first = cols < BM
-        tok = pid_m * BM + cols % BM
-        tok_ok = tok < M
         n_blocks = K // 256
-        it0 = pid_k * iters_per_split
-        it1 = tl.minimum(it0 + iters_per_split, n_blocks)
-        x_cols = q_ptr + (tl.where(first, 0, M) + tok).to(tl.int64)[None, :] * K + tl.arange(0, 128)[:, None]
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
+            pid_n, pid_m, tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
+        )
+        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 128)
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
         w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, 128)[None, :]
@@ -159,31 +150,20 @@ if triton is not None:
             mn_b = _per_byte(mn.to(tl.int8), BN, 8, 16)
             d_mn = tl.dot(mn_b, x_hi, tl.dot(mn_b, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             acc += ((8 * d_hi + d_lo).to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
-        acc = tl.sum(tl.reshape(tl.permute(tl.reshape(acc, (BN, 2, BM)), (0, 2, 1)), (BN, BM, 2)), axis=2)
-        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
-                           pid_n * tl.num_programs(0) + pid_m, pid_k, tl.num_programs(2), SPLIT, ASM)  # fmt: skip
+        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
+                           N, stride_om, pid_n * tl.num_programs(0) + pid_m, tl.program_id(2), tl.num_programs(2),
+                           SPLIT, ASM)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launches
 
 
-@dataclass(frozen=True)
-class GGUFI8Config:
-    """`_gemm_kernel`'s launch: weight rows and tokens per program, K slices, warps, stages."""
-
-    block_n: int = 64
-    block_m: int = 16
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-
 # (N, K, tokens per program) -> a launch measured better than `i8_config`'s, filled by
 # benchmarks/bench_gguf_gpu.py's `i8` sweep (the engine sections after it use them)
-TUNED_CONFIGS: dict[tuple[int, int, int], GGUFI8Config] = {}
+TUNED_CONFIGS: dict[tuple[int, int, int], I8Config] = {}
 
 
-def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> GGUFI8Config:
+def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
     """The launch at M tokens (16 per program, the token tiles of a row tile side by side in the
     grid so the second reads the weights from L2) by the rule the H200 sweep's winners follow (the
     module docstring's shapes): 64 rows, 4 warps (wgmma), 256 values a step, 3 stages, K split
@@ -199,7 +179,7 @@ def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> GGUFI8Conf
     blocks, split = k // XB, 1
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
-    return GGUFI8Config(block_n, bm, split)
+    return I8Config(block_n, bm, split, num_stages=3)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,7 +190,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def matmul_into(
     out: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor], seg: object,
-    cfg: GGUFI8Config | None = None,
+    cfg: I8Config | None = None,
 ) -> None:  # fmt: skip
     """out [M, seg.rows] (a column slice of the linear's output, unit stride on rows) = x W^T of
     one Q4_K segment (triton_gguf.Segment), from `quantize_x`; `cfg` overrides `i8_config`."""

@@ -124,22 +124,13 @@ if triton is not None:
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
-        rows = pid_n * BN + tl.arange(0, BN)
-        row_ok = rows < N
-        ms = pid_m * BM + tl.arange(0, BM)
-        m_ok = ms < M
-        # column j of the x operand: part j // BM of token pid_m * BM + j % BM
-        cols = tl.arange(0, 2 * BM)
-        first = cols < BM
-        tok = pid_m * BM + cols % BM
-        tok_ok = tok < M
         n_blocks = K // 128
-        it0 = pid_k * iters_per_split
-        it1 = tl.minimum(it0 + iters_per_split, n_blocks)
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
+            pid_n, pid_m, pid_k, N, M, n_blocks, iters_per_split, BN, BM
+        )
         NB: tl.constexpr = 128 * BITS // 8  # bytes of a row per block
-        c = tl.arange(0, NB)
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + c[None, :]
-        x_cols = q_ptr + (tl.where(first, 0, M) + tok).to(tl.int64)[None, :] * K + c[:, None]  # [NB, 2 BM]
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + tl.arange(0, NB)[None, :]
+        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, NB)  # [NB, 2 BM]
         x_ok = tok_ok[None, :]
         weight = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2
         acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
@@ -163,9 +154,9 @@ if triton is not None:
             d = d * weight[None, :] - zero[:, None] * xsum[None, :]
             acc += d.to(tl.float32) * scale[:, None] * dx[None, :]
             scale, zero, dx, xsum = scale_n, zero_n, dx_n, xsum_n
-        acc = tl.sum(tl.reshape(tl.permute(tl.reshape(acc, (BN, 2, BM)), (0, 2, 1)), (BN, BM, 2)), axis=2)
-        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
-                           pid_m * tl.num_programs(0) + pid_n, pid_k, tl.num_programs(1), SPLIT, ASM)  # fmt: skip
+        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
+                           N, stride_om, pid_m * tl.num_programs(0) + pid_n, pid_k, tl.num_programs(1), SPLIT,
+                           ASM)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launches
@@ -173,7 +164,8 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class I8Config:
-    """`_gemm_kernel`'s launch: weight rows and tokens per program, K slices, warps, stages."""
+    """`_gemm_kernel`'s launch (and triton_gguf_i8's): weight rows and tokens per program, K slices,
+    warps, stages."""
 
     block_n: int = 64
     block_m: int = 16
