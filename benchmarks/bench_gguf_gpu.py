@@ -81,9 +81,10 @@ from paphos.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("ceilings", "kernels", "gemv", "i8", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0", "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
-# llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512.
-LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500}, "q8_0": {"tg128": 255, "pp512": 11100},
-            "bf16": {"tg128": 208, "pp512": None}}  # F16 for the float row  # fmt: skip
+# llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512;
+# batch-16 decode from `llama-batched-bench -npl 1,16,64` (issue 18)
+LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500, "b16": 2057}, "q8_0": {"tg128": 255, "pp512": 11100, "b16": 1958},
+            "bf16": {"tg128": 208, "pp512": None, "b16": None}}  # F16 for the float row  # fmt: skip
 # (name, N, K) of the Llama-3-8B linears (qkv: q|k of one type + v, tested by parts)
 SHAPES = (("attn_q/o", 4096, 4096), ("attn_k/v", 1024, 4096), ("gate_up", 28672, 4096),
           ("down", 4096, 14336), ("head", 128256, 4096))  # fmt: skip
@@ -582,6 +583,7 @@ def print_table(results: dict[str, Any]) -> None:
             "GB/s",
             "%copy",
             "b16 tok/s",
+            "b16 x bf16 / x llama.cpp",
             "b64 tok/s",
             "pp512",
             "llama.cpp tg/pp",
@@ -592,14 +594,17 @@ def print_table(results: dict[str, Any]) -> None:
     for kind in ("q4_k_m", "q8_0", "bf16"):
         r = results.get(kind) or {}
         if "batch1" not in r:
-            rows.append((kind, r.get("error", "-")[:60], "", "", "", "", "", "", "", ""))
+            rows.append((kind, r.get("error", "-")[:60], "", "", "", "", "", "", "", "", ""))
             continue
         b1, mem = r["batch1"], r.get("memory", {})
         frac = b1.get("frac_copy_bw")
         ref = LLAMACPP[kind]
+        b16 = r.get("batch16", {}).get("tok_s", 0)
+        bf16_b16 = (results.get("bf16") or {}).get("batch16", {}).get("tok_s")
+        b16_ratios = (f"{b16 / bf16_b16:.2f}" if bf16_b16 else "-") + (f" / {b16 / ref['b16']:.2f}" if ref["b16"] else "")
         rows.append((
-            kind, f"{b1['tok_s']:.0f}", f"{b1['GBps']:.0f}", f"{100 * frac:.0f}" if frac else "-",
-            f"{r.get('batch16', {}).get('tok_s', 0):.0f}", f"{r.get('batch64', {}).get('tok_s', 0):.0f}",
+            kind, f"{b1['tok_s']:.0f}", f"{b1['GBps']:.0f}", f"{100 * frac:.0f}" if frac else "-", f"{b16:.0f}",
+            b16_ratios, f"{r.get('batch64', {}).get('tok_s', 0):.0f}",
             f"{r.get('pp512', {}).get('tok_s', 0):.0f}", f"{ref['tg128']} / {ref['pp512'] or '-'}",
             f"{mem.get('weights_GB', 0):.2f}", f"{mem.get('file_tensor_GB', 0):.2f}" if "file_tensor_GB" in mem else "-",
         ))  # fmt: skip
