@@ -185,7 +185,7 @@ def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> the (parts, dx, sums) of x_blocks; `_gemm_kernel` reads the parts and dx (the
     minimum's own dot replaces the sums)."""
-    return x_blocks.quantize(x, x_blocks.device_order(stream_order(), x.device), XB, XB)
+    return x_blocks.quantize(x, x_blocks.device_order("Q4_K", x.device, stream_order), XB, XB)
 
 
 def matmul_into(

@@ -193,7 +193,8 @@ def quantize_x(
     x: torch.Tensor, bits: int, perm: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (unit stride on K) -> `reference_quantize_x`'s (parts, dx, sums) in one launch."""
-    return x_blocks.quantize(x, x_blocks.device_order(block_order(bits), x.device), XB, XB, perm)
+    order = x_blocks.device_order(f"int{bits}", x.device, lambda: block_order(bits))
+    return x_blocks.quantize(x, order, XB, XB, perm)
 
 
 def matmul(

@@ -12,6 +12,8 @@ straight into registers). Beside the parts: dx per token and block, and the inte
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from paphos.layers import pdl, x_int8
@@ -23,14 +25,15 @@ except ImportError:  # CPU-only installs: the torch reference serves
     triton = None
 
 QUANTIZE_BLOCKS = 4  # x blocks per program of `_quantize_kernel`
-_ORDERS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_ORDERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def device_order(order: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`order` as the int32 tensor the kernel reads, on `device` (made once per order)."""
-    key = (device, tuple(order.tolist()))
+def device_order(name: str, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The order called `name` (made by `make`) as the int32 tensor the kernel reads, on `device`:
+    made once per device, not at every call of a linear."""
+    key = (name, device)
     if key not in _ORDERS:
-        _ORDERS[key] = order.to(device=device, dtype=torch.int32)
+        _ORDERS[key] = make().to(device=device, dtype=torch.int32)
     return _ORDERS[key]
 
 
