@@ -26,7 +26,7 @@ after every section so a timeout keeps what finished):
              FUSED_MAX_TOKENS to the largest M where fused wins
   q4_k_m_no_pdl  the Q4_K_M engine's batch-1 decode with programmatic dependent launch off
   q4_k_m, q8_0, bf16   the engine (paphos.LLM, CUDA graphs): batch-1 decode tok/s (and GB/s of
-             the weight bytes read per token, fraction of copy BW), batch-16 / 64 decode tok/s,
+             the weight bytes read per token, fraction of copy BW), batch-16 / 32 / 64 decode tok/s,
              pp512 tok/s, weight memory on the GPU (every parameter and buffer, embedding and head
              included, each also on its own) vs the file's tensor bytes, kernels chosen
 The GGUF files are generated into a temp dir (scripts/make_random_gguf.py) unless given; they
@@ -511,7 +511,7 @@ def _run_engine(bench: Bench, kind: str, path: Path | None, batch1_only: bool = 
         if args.profile:
             out["profile_batch1"] = profile_decode(llm, vocab)
             print_profile(f"{kind} batch-1 decode step", out["profile_batch1"])
-        for batch in () if batch1_only else (16, 64):
+        for batch in () if batch1_only else (16, 32, 64):  # 32: two token tiles of Q4_K's int8 path
             steps = engine_steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
             decode = [t for t, rows in steps[1:] if rows == batch]
             out[f"batch{batch}"] = (
@@ -584,6 +584,7 @@ def print_table(results: dict[str, Any]) -> None:
             "%copy",
             "b16 tok/s",
             "b16 x bf16 / x llama.cpp",
+            "b32 tok/s",
             "b64 tok/s",
             "pp512",
             "llama.cpp tg/pp",
@@ -594,7 +595,7 @@ def print_table(results: dict[str, Any]) -> None:
     for kind in ("q4_k_m", "q8_0", "bf16"):
         r = results.get(kind) or {}
         if "batch1" not in r:
-            rows.append((kind, r.get("error", "-")[:60], "", "", "", "", "", "", "", "", ""))
+            rows.append((kind, r.get("error", "-")[:60], "", "", "", "", "", "", "", "", "", ""))
             continue
         b1, mem = r["batch1"], r.get("memory", {})
         frac = b1.get("frac_copy_bw")
@@ -604,7 +605,7 @@ def print_table(results: dict[str, Any]) -> None:
         b16_ratios = (f"{b16 / bf16_b16:.2f}" if bf16_b16 else "-") + (f" / {b16 / ref['b16']:.2f}" if ref["b16"] else "")
         rows.append((
             kind, f"{b1['tok_s']:.0f}", f"{b1['GBps']:.0f}", f"{100 * frac:.0f}" if frac else "-", f"{b16:.0f}",
-            b16_ratios, f"{r.get('batch64', {}).get('tok_s', 0):.0f}",
+            b16_ratios, f"{r.get('batch32', {}).get('tok_s', 0):.0f}", f"{r.get('batch64', {}).get('tok_s', 0):.0f}",
             f"{r.get('pp512', {}).get('tok_s', 0):.0f}", f"{ref['tg128']} / {ref['pp512'] or '-'}",
             f"{mem.get('weights_GB', 0):.2f}", f"{mem.get('file_tensor_GB', 0):.2f}" if "file_tensor_GB" in mem else "-",
         ))  # fmt: skip
