@@ -86,7 +86,7 @@ if triton is not None:
         32-bit multiplication for their four products (none carries into the next byte), by the
         first code's scale half: the four codes an asm instance packs must share their scale,
         which holds for the operand of the dot (four consecutive K values of one row, inside one
-        32-value sub-block), the layout Triton gives this op (tests/quant/test_gguf_i8.py checks
+        sub-block's run of 16 bytes in a nibble plane), the layout Triton gives this op (tests/quant/test_gguf_i8.py checks
         it in the sm_90 compile; the load-time self-check in triton_gguf.py checks the results)."""
         if ASM:
             return tl.inline_asm_elementwise(
