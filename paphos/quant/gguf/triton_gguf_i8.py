@@ -198,17 +198,12 @@ def matmul_into(
     m, k = out.shape[0], seg.k
     n = seg.rows
     cfg = cfg or i8_config(n, k, m)
-    n_blocks = k // XB
-    per_split = math.ceil(n_blocks / max(1, cfg.split_k))
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), math.ceil(n_blocks / per_split))
-    split = grid[2] > 1 and grid[0] * grid[1] <= split_k.COUNTERS and grid[2] * m * n < 1 << 31
-    if not split:
-        per_split, grid = n_blocks, (grid[0], grid[1], 1)
-    partials = torch.empty(grid[2] if split else 1, m, n, dtype=torch.float32, device=out.device)
-    counters = split_k.counters(out.device) if split else partials
+    tiles = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     p = seg.planes
-    _gemm_kernel[grid](
-        parts, dx, out, partials, counters, p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"], p["smin"],
-        m, n, k, out.stride(0), per_split, BN=cfg.block_n, BM=cfg.block_m, SPLIT=split, ASM=out.is_cuda,
+    _gemm_kernel[(*tiles, cut.count)](
+        parts, dx, out, cut.partials, cut.counters, p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"],
+        p["smin"], m, n, k, out.stride(0), cut.per,
+        BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip

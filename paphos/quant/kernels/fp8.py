@@ -344,19 +344,14 @@ def small_m_linear(
     if m == 0:
         return out
     bm = min(64, max(16, triton.next_power_of_2(m)))
-    split = split_for(m, n, k, cfg)
-    per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), triton.cdiv(k, per_split))
-    use_split = grid[2] > 1 and grid[0] * grid[1] <= split_k.COUNTERS and grid[2] * m * n < 1 << 31
-    if not use_split:
-        per_split, grid = k, (grid[0], grid[1], 1)
-    partials = torch.empty((grid[2] if use_split else 1, m, n), dtype=torch.float32, device=x.device)
-    counters = split_k.counters(x.device) if use_split else partials
-    _small_m_kernel[grid](
-        q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, partials, counters, m, n, k,
-        q.stride(0), weight.stride(0), out.stride(0), per_split,
+    tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))
+    cut = split_k.slices(triton.cdiv(k, cfg.block_k), split_for(m, n, k, cfg), tiles[0] * tiles[1], m, n, x.device)
+    per_split = cut.per * cfg.block_k if cut.split else k  # in K values
+    _small_m_kernel[(*tiles, cut.count)](
+        q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, cut.partials, cut.counters, m,
+        n, k, q.stride(0), weight.stride(0), out.stride(0), per_split,
         F8_MMA=x.is_cuda, HAS_BIAS=bias is not None, BN=cfg.block_n, BM=bm, BK=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, SPLIT=use_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, SPLIT=cut.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.options(x),
     )  # fmt: skip
     return out

@@ -1,10 +1,14 @@
-"""Split-K for the small-M Triton matmuls (triton_int.py, triton_int_i8.py, fp8.py): the K slices of one output tile
-run in separate programs (more programs than a narrow layer's tiles alone give 132 SMs); each
-stores its float32 partial, and the last one to finish (an atomic count per tile) sums them. No
-second launch, and that last program resets the tile's count, so the launch replays from a CUDA
-graph."""
+"""Split-K for the small-M Triton matmuls (triton_int.py, triton_int_i8.py, fp8.py,
+triton_exl2.py, gguf/triton_gguf_i8.py): the K slices of one output tile run in separate programs
+(more programs than a narrow layer's tiles alone give 132 SMs); each stores its float32 partial,
+and the last one to finish (an atomic count per tile) sums them. No second launch, and that last
+program resets the tile's count, so the launch replays from a CUDA graph. `slices` plans a
+launch's cut and its buffers."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +32,32 @@ def counters(device: torch.device, stream: str = "step") -> torch.Tensor:
     if buf is None:
         _COUNTERS[(device, stream)] = buf = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return buf
+
+
+@dataclass(frozen=True)
+class Slices:
+    """How a launch cuts its K steps: `per` steps a slice, `count` slices; `split` whether the
+    programs of a tile sum float32 partials (more than one slice, a counter for every tile, the
+    partial planes addressable in int32); `partials` [count, M, N] and `counters` the kernel's
+    buffers (a one-plane dummy and the partials when not split)."""
+
+    per: int
+    count: int
+    split: bool
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+def slices(steps: int, wanted: int, tiles: int, m: int, n: int, device: torch.device) -> Slices:
+    """`steps` K steps cut into at most `wanted` slices of equal length (the last may be shorter),
+    for a launch of `tiles` output tiles of an [m, n] output on `device`."""
+    per = max(1, math.ceil(steps / max(1, wanted)))
+    count = math.ceil(steps / per)
+    split = count > 1 and tiles <= COUNTERS and count * m * n < 1 << 31
+    if not split:
+        per, count = steps, 1
+    partials = torch.empty(count, m, n, dtype=torch.float32, device=device)
+    return Slices(per, count, split, partials, counters(device) if split else partials)
 
 
 if triton is not None:

@@ -453,12 +453,8 @@ def gemv(
     rule_split, rule_ahead = gemv_launch(planes, mp)
     split = split or rule_split
     ahead = rule_ahead if ahead is None else ahead
-    per_split = -(-n_runs // split)
-    splits = -(-n_runs // per_split)
     tiles = planes.tiles.shape[0]
-    use_split = splits > 1 and tiles <= split_k.COUNTERS and splits * m * planes.n < 1 << 31
-    if not use_split:
-        per_split, splits = n_runs, 1
+    cut = split_k.slices(n_runs, split, tiles, m, planes.n, x.device)
     total_runs = planes.meta.shape[0] * n_runs
     xq = torch.empty(total_runs, mp, 16, dtype=torch.int32, device=x.device)
     xf = torch.empty(total_runs, mp, 2, dtype=torch.float32, device=x.device)
@@ -467,13 +463,11 @@ def gemv(
         **pdl.options(x),
     )  # fmt: skip
     out = torch.empty(m, planes.n, dtype=x.dtype, device=x.device)
-    partials = torch.empty(splits if use_split else 1, m, planes.n, dtype=torch.float32, device=x.device)
-    counters = split_k.counters(x.device) if use_split else partials
     warps = num_warps or gemv_warps(planes.block_n, mp)
-    _gemv_kernel[(tiles, splits)](
-        xq, xf, out, partials, counters, planes.words, planes.scales, planes.smax, planes.runs, planes.meta,
-        planes.tiles, m, planes.n, n_runs, per_split,
-        BN=planes.block_n, MP=mp, MAXBITS=planes.max_bits, SPLIT=use_split, AHEAD=ahead,
+    _gemv_kernel[(tiles, cut.count)](
+        xq, xf, out, cut.partials, cut.counters, planes.words, planes.scales, planes.smax, planes.runs, planes.meta,
+        planes.tiles, m, planes.n, n_runs, cut.per,
+        BN=planes.block_n, MAXBITS=planes.max_bits, MP=mp, SPLIT=cut.split, AHEAD=ahead,
         ALIGNED=planes.aligned, ASM=x.is_cuda, num_warps=warps, **pdl.options(x),
     )  # fmt: skip
     return out

@@ -549,27 +549,19 @@ def gemm(
     if spec.has_perm:
         x = x.index_select(1, planes["perm"])
     bk = fit_block_k(cfg.block_k, spec)
-    n_iters = k // bk
-    per_split = math.ceil(n_iters / max(1, cfg.split_k))
-    splits = math.ceil(n_iters / per_split)
-    grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))
-    # float32 partials [splits, M, N] indexed in int32
-    split = splits > 1 and grid[0] * grid[2] <= split_k.COUNTERS and splits * m * n < 1 << 31
-    if not split:
-        per_split, grid = n_iters, (grid[0], 1, grid[2])
+    tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    cut = split_k.slices(k // bk, cfg.split_k, tiles[0] * tiles[1], m, n, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials = torch.empty(grid[1] if split else 1, m, n, dtype=torch.float32, device=x.device)
-    counters = split_k.counters(x.device) if split else partials
     w = planes["qweight"]
     one_group = bk <= spec.group_size
     by_bytes = spec.bits == 4 and cfg.bytes_unpack
     if by_bytes:
         w = w.view(torch.uint8)
-    _gemm_kernel[grid](
-        x, out, partials, counters, w, planes["scales"], _zeros_plane(planes), m, n, k,
-        x.stride(0), out.stride(0), w.stride(0), spec.group_shift, per_split,
+    _gemm_kernel[(tiles[0], cut.count, tiles[1])](
+        x, out, cut.partials, cut.counters, w, planes["scales"], _zeros_plane(planes), m, n, k,
+        x.stride(0), out.stride(0), w.stride(0), spec.group_shift, cut.per,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BM=cfg.block_m, BN=cfg.block_n, BK=bk,
-        ONE_GROUP=one_group, SPLIT=split, ASM=_asm(x), PACKED=cfg.packed_math, BYTES=by_bytes,
+        ONE_GROUP=one_group, SPLIT=cut.split, ASM=_asm(x), PACKED=cfg.packed_math, BYTES=by_bytes,
         SCALE_AFTER=by_bytes and one_group and cfg.scale_after,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
     )  # fmt: skip

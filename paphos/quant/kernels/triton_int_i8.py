@@ -206,21 +206,15 @@ def matmul(
     n = spec.out_features
     cfg = cfg or i8_config(spec, m)
     parts, dx, sums = quantize_x(x, spec.bits, planes.get("perm"))
-    n_blocks = k // XB
-    per_split = math.ceil(n_blocks / max(1, cfg.split_k))
-    grid = (triton.cdiv(n, cfg.block_n), math.ceil(n_blocks / per_split), triton.cdiv(m, cfg.block_m))
-    split = grid[1] > 1 and grid[0] * grid[2] <= split_k.COUNTERS and grid[1] * m * n < 1 << 31
-    if not split:
-        per_split, grid = n_blocks, (grid[0], 1, grid[2])
+    tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials = torch.empty(grid[1] if split else 1, m, n, dtype=torch.float32, device=x.device)
-    counters = split_k.counters(x.device) if split else partials
     w = planes["qweight"].view(torch.uint8 if spec.bits == 4 else torch.int8)
     scales = planes["scales"]
-    _gemm_kernel[grid](
-        parts, dx, sums, out, partials, counters, w, scales, planes.get("zeros", scales), m, n, k, w.stride(0),
-        out.stride(0), spec.group_shift, per_split,
-        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=split, ASM=x.is_cuda,
+    _gemm_kernel[(tiles[0], cut.count, tiles[1])](
+        parts, dx, sums, out, cut.partials, cut.counters, w, scales, planes.get("zeros", scales), m, n, k,
+        w.stride(0), out.stride(0), spec.group_shift, cut.per,
+        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
     )  # fmt: skip
     return out
