@@ -1,0 +1,27 @@
+"""split_k.slices: how the split-K launches (triton_int, triton_int_i8, triton_gguf_i8, fp8,
+triton_exl2) cut their K steps; the kernels' own tests run both cuts end to end."""
+
+from __future__ import annotations
+
+import torch
+
+from paphos.quant.kernels import split_k
+
+CPU = torch.device("cpu")
+
+
+def test_steps_cut_into_equal_slices_the_last_shorter() -> None:
+    cut = split_k.slices(10, 4, tiles=8, m=3, n=5, device=CPU)
+    assert (cut.per, cut.count, cut.split) == (3, 4, True)  # 3 + 3 + 3 + 1 steps
+    assert cut.partials.shape == (4, 3, 5) and cut.partials.dtype == torch.float32
+    assert cut.counters is split_k.counters(CPU)
+
+
+def test_no_split_runs_one_slice_over_every_step() -> None:
+    for cut in (
+        split_k.slices(10, 1, tiles=8, m=3, n=5, device=CPU),  # one slice asked for
+        split_k.slices(10, 4, tiles=split_k.COUNTERS + 1, m=3, n=5, device=CPU),  # more tiles than counters
+        split_k.slices(10, 4, tiles=8, m=1 << 16, n=1 << 14, device=torch.device("meta")),  # partials past int32
+    ):
+        assert (cut.per, cut.count, cut.split) == (10, 1, False)
+        assert cut.counters is cut.partials and cut.partials.shape[0] == 1
