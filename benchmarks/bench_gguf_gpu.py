@@ -15,7 +15,7 @@ after every section so a timeout keeps what finished):
              the best installed in GEMV_CONFIGS; GB/s of the planes read and fraction of copy
              BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight); an integer-dot
              call includes its launch quantizing x
-  i8         the int8 tensor-core kernel (triton_gguf_i8, Q4_K) per shape at --i8-ms tokens: its
+  i8         the int8 tensor-core kernel (triton_gguf_i8, Q4_K and Q8_0) per shape at --i8-ms tokens: its
              default launch and a sweep of tiles / warps / stages / K split targets (the best installed in triton_gguf_i8.TUNED_CONFIGS for the engine
              sections after it), beside the fused kernel and cuBLAS bf16 on the same shape
              (CUDA-graph replays cycling through copies larger than L2; times include x's
@@ -255,17 +255,19 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
     return out
 
 
-# (type, shape name, N, K) of the int8 path: the Q4_K segments of a Q4_K_M layer
+# (type, shape name, N, K) of the int8 path: the Q4_K segments of a Q4_K_M layer, the Q8_0 linears
+# of a Q8_0 layer and its head
 I8_SHAPES = tuple(s for s in GEMV_SHAPES if ti8.supports(s[0], s[3]))
 
 
-def _i8_candidates(n: int, k: int, m: int) -> list[ti8.I8Config]:
-    """The rule's tile with other K splits, steps and stages, then mma.sync tiles (32 or 16 rows)."""
+def _i8_candidates(type_name: str, n: int, k: int, m: int) -> list[ti8.I8Config]:
+    """The rule's tile with other K splits, steps and stages, 128-row tiles (4 or 8 warps), then
+    mma.sync tiles (32 or 16 rows)."""
     out = []
-    for bn, warps in ((64, 4), (32, 2), (16, 1)):
+    for bn, warps in ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1)):
         for per_sm in (2, 4, 8):
-            base = dataclasses.replace(ti8.i8_config(n, k, m, per_sm), block_n=bn, num_warps=warps)
-            if bn != 64:  # the same programs per SM with smaller tiles
+            base = dataclasses.replace(ti8.i8_config(type_name, n, k, m, per_sm), block_n=bn, num_warps=warps)
+            if bn != 64:  # the same programs per SM with other tiles
                 base = dataclasses.replace(base, split_k=max(1, base.split_k * bn // 64))
             out += [dataclasses.replace(base, num_stages=stages) for stages in (3, 4)]
     return list(dict.fromkeys(out))
@@ -291,13 +293,13 @@ def section_i8(bench: Bench) -> dict[str, Any]:
             dst = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
             def run(cfg: ti8.I8Config | None, s: tg.Segment, v: torch.Tensor = x, d: torch.Tensor = dst) -> None:
-                ti8.matmul_into(d, ti8.quantize_x(v), s, cfg)
+                ti8.matmul_into(d, ti8.quantize_x(v, s.type_name), s, cfg)
 
-            ti8.TUNED_CONFIGS.pop((n, k, 16), None)
-            default = ti8.i8_config(n, k, m)
+            ti8.TUNED_CONFIGS.pop((type_name, n, k, 16), None)
+            default = ti8.i8_config(type_name, n, k, m)
             results = []
             deadline = time.perf_counter() + per_case
-            for cfg in [default, *_i8_candidates(n, k, m)]:
+            for cfg in [default, *_i8_candidates(type_name, n, k, m)]:
                 if time.perf_counter() > deadline and cfg is not default:
                     break
                 try:
@@ -310,7 +312,7 @@ def section_i8(bench: Bench) -> dict[str, Any]:
                 results.append({"cfg": cfg.__dict__, "us": t * 1e6, "rel_err": err})
             ok = [r for r in results if "us" in r]
             best = min(ok, key=lambda r: r["us"])
-            ti8.TUNED_CONFIGS[(n, k, default.block_m)] = ti8.I8Config(**best["cfg"])
+            ti8.TUNED_CONFIGS[(type_name, n, k, default.block_m)] = ti8.I8Config(**best["cfg"])
             row |= {
                 "default_us": ok[0]["us"] if results[0] is ok[0] else None, "best_us": best["us"], "best": best["cfg"],
                 "GBps": seg.n_bytes() / best["us"] / 1e3, "frac_copy_bw": seg.n_bytes() / best["us"] / 1e-6 / bw if bw else None,
@@ -322,14 +324,18 @@ def section_i8(bench: Bench) -> dict[str, Any]:
                   f"cuBLAS bf16 {row['cublas_bf16_us']:.1f}; err {row['max_rel_err']:.1e}", flush=True)  # fmt: skip
         del seg, raw, ref_w, w16, w16s, copies
     torch.cuda.empty_cache()
-    for m in ms:  # the Q4_K linears of a Q4_K_M layer, summed per path
-        rows = [v for key, v in out.items() if key.endswith(f" M{m}")]
-        tot = {c: sum(r[c] for r in rows) for c in ("cublas_bf16_us", "fused_us", "best_us")}
-        tot["default_us"] = sum(r["default_us"] or math.nan for r in rows)
-        out[f"Q4_K linears of a layer M{m}"] = tot
-        print(f"i8 Q4_K linears of a layer ({len(rows)}) M{m}: int8 {tot['default_us']:.1f} us (best launches "
-              f"{tot['best_us']:.1f}), fused {tot['fused_us']:.1f}, bf16 {tot['cublas_bf16_us']:.1f} (x bf16: "
-              f"{tot['cublas_bf16_us'] / tot['default_us']:.2f})", flush=True)  # fmt: skip
+    for type_name, what in (("Q4_K", "Q4_K linears of a Q4_K_M layer"), ("Q8_0", "linears of a Q8_0 layer")):
+        for m in ms:  # summed per path (the Q8_0 head apart)
+            rows = [v for key, v in out.items() if key.startswith(f"{type_name} ") and key.endswith(f" M{m}")
+                    and " head " not in key]  # fmt: skip
+            if not rows:
+                continue
+            tot = {c: sum(r[c] for r in rows) for c in ("cublas_bf16_us", "fused_us", "best_us")}
+            tot["default_us"] = sum(r["default_us"] or math.nan for r in rows)
+            out[f"{what} M{m}"] = tot
+            print(f"i8 {what} ({len(rows)}) M{m}: int8 {tot['default_us']:.1f} us (best launches "
+                  f"{tot['best_us']:.1f}), fused {tot['fused_us']:.1f}, bf16 {tot['cublas_bf16_us']:.1f} (x bf16: "
+                  f"{tot['cublas_bf16_us'] / tot['default_us']:.2f})", flush=True)  # fmt: skip
     return out
 
 

@@ -27,11 +27,12 @@ def compile_env(triton_path: Path | None) -> dict[str, str]:
 
 
 def compile_sm90(fn: object, args: dict[str, str], constexprs: dict[str, object], warps: int,
-                 ints: dict[str, int] | None = None, stages: int = 3, ttgir: bool = False) -> str:  # fmt: skip
+                 ints: dict[str, int] | None = None, stages: int = 3, ttgir: bool = False,
+                 sass: bool = False) -> str:  # fmt: skip
     """PTX of the kernel for sm_90 with ptxas' resource usage appended (cuobjdump of the cubin),
-    and its TTGIR after that with `ttgir` (the layouts Triton chose); pointers 16-byte aligned and
-    integer arguments specialised as a launch does (`ints`: their values, a multiple of 16 is
-    marked divisible)."""
+    and its TTGIR after that with `ttgir` (the layouts Triton chose), its SASS with `sass`;
+    pointers 16-byte aligned and integer arguments specialised as a launch does (`ints`: their
+    values, a multiple of 16 is marked divisible)."""
     import tempfile
 
     import triton
@@ -51,6 +52,8 @@ def compile_sm90(fn: object, args: dict[str, str], constexprs: dict[str, object]
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        if sass:
+            usage += subprocess.run([str(cuobjdump), "-sass", cubin.name], capture_output=True, text=True).stdout
     return kernel.asm["ptx"] + usage + (kernel.asm["ttgir"] if ttgir else "")
 
 

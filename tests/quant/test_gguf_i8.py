@@ -1,4 +1,4 @@
-"""GGUF's int8 tensor-core path for Q4_K (paphos/quant/gguf/triton_gguf_i8.py).
+"""GGUF's int8 tensor-core path for Q4_K and Q8_0 (paphos/quant/gguf/triton_gguf_i8.py).
 
 - `stream_order` is the order of the codes in the kernel's operands, read from repacked planes
   the way the kernel reads them (a super-block's bytes: low nibbles, then high); x_blocks.quantize
@@ -59,18 +59,24 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_supports() -> None:
-    assert supports("Q4_K", 4096) and supports("Q4_K", 14336)
-    assert not supports("Q4_K", 4096 + 128)  # a partial x block
-    assert not any(supports(t, 4096) for t in ("Q6_K", "Q8_0", "Q5_K", "Q4_0"))
+    assert supports("Q4_K", 4096) and supports("Q4_K", 14336) and supports("Q8_0", 4096)
+    assert not supports("Q4_K", 4096 + 128) and not supports("Q8_0", 4096 + 32)  # a partial x block
+    assert not any(supports(t, 4096) for t in ("Q6_K", "Q5_K", "Q4_0"))
 
 
-def test_stream_order_is_the_operands_code_order() -> None:
-    raw = _raw("Q4_K", 8, K, 1)
-    natural = planes._codes_and_scales(raw.reshape(-1, planes.type_size("Q4_K")), "Q4_K")["q"].reshape(8, K).long()
-    order = stream_order()
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
+    raw = _raw(type_name, 8, K, 1)
+    fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size(type_name)), type_name)
+    natural = fields["q"].reshape(8, K).long()
+    order = stream_order(type_name)
     assert sorted(order.tolist()) == list(range(256))
-    b = planes.repack(raw, "Q4_K")["lo"].contiguous().view(torch.uint8).long().reshape(8, -1, 128)
-    operands = torch.cat([b & 15, b >> 4], -1).reshape(8, K)  # per super-block: low nibbles, then high
+    lo = planes.repack(raw, type_name)["lo"].contiguous()
+    if type_name == "Q8_0":  # the stored bytes, as the kernel loads them
+        operands = lo.long()
+    else:  # per super-block: low nibbles, then high
+        b = lo.view(torch.uint8).long().reshape(8, -1, 128)
+        operands = torch.cat([b & 15, b >> 4], -1).reshape(8, K)
     assert torch.equal(operands, natural[:, (torch.arange(0, K, 256).reshape(-1, 1) + order).reshape(-1)])
 
 
@@ -80,21 +86,22 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     x[1, 256:512] = 0  # an all-zero block: dx 0, parts 0
     x[2, :256] *= 1000
-    parts, dx, sums = ti8.quantize_x(x)
-    ref = x_blocks.reference_quantize(x, stream_order(), 256, 256)
+    parts, dx, sums = ti8.quantize_x(x, "Q4_K")
+    ref = x_blocks.reference_quantize(x, stream_order("Q4_K"), 256, 256)
     assert parts.shape == (2, 5, 768) and dx.shape == (5, 3) and sums.shape == (5, 3)
     assert torch.equal(parts, ref[0]) and torch.equal(dx, ref[1]) and torch.equal(sums, ref[2])
     assert not parts[:, 1, 256:512].any() and dx[1, 1] == 0
     q = parts.float()
     rep = (q[0] + q[1] / 254) * dx.repeat_interleave(256, 1)  # the represented x, within half a step
-    source = x.float()[:, (torch.arange(0, 768, 256).reshape(-1, 1) + stream_order()).reshape(-1)]
+    source = x.float()[:, (torch.arange(0, 768, 256).reshape(-1, 1) + stream_order("Q4_K")).reshape(-1)]
     assert ((rep - source).abs() <= dx.repeat_interleave(256, 1) / 508 * 1.01).all()
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
-def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
-    raw = _raw("Q4_K", N, K, 2)
-    seg = tg.Segment("Q4_K", 0, N, K, planes.repack(raw, "Q4_K"))
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN001
+    raw = _raw(type_name, N, K, 2)
+    seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
     cases = ((2, ti8.I8Config(32, 16, 1, 2)), (9, ti8.I8Config(16, 16, 2, 1)), (16, ti8.I8Config(64, 16, 2)),
@@ -102,16 +109,16 @@ def test_gemm_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
-        ti8.matmul_into(out, ti8.quantize_x(x), seg, cfg)
-        assert _rel(out, planes.reference_matmul(raw, "Q4_K", x)) < 1e-4, (m, cfg)
+        ti8.matmul_into(out, ti8.quantize_x(x, type_name), seg, cfg)
+        assert _rel(out, planes.reference_matmul(raw, type_name, x)) < 1e-4, (m, cfg)
         assert not counters.any()  # every split tile's counter is back to zero
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A layer of Q4_K, Q6_K and Q4_K segments (a Q4_K_M q|k|v with v in the middle): the Q4_K ones
-    take the int8 path with x quantized once, Q6_K the fused kernel; one token stays on the GEMV,
-    I8_MAX_TOKENS + 1 leaves the path."""
-    types, rows = ("Q4_K", "Q6_K", "Q4_K"), (32, 16, 21)
+    """A layer of Q4_K, Q6_K, Q8_0 and Q4_K segments (a Q4_K_M q|k|v with v in the middle, and a
+    Q8_0 one): Q4_K and Q8_0 take the int8 path with x quantized once per type, Q6_K the fused
+    kernel; one token stays on the GEMV, I8_MAX_TOKENS + 1 leaves the path."""
+    types, rows = ("Q4_K", "Q6_K", "Q8_0", "Q4_K"), (32, 16, 24, 21)
     raws = [_raw(t, r, K, 7 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
     segs, start = [], 0
     for t, raw in zip(types, raws, strict=True):
@@ -119,7 +126,7 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
         start += raw.shape[0]
     quantized, gemms = [], []
     quantize, gemm = ti8.quantize_x, ti8.matmul_into
-    monkeypatch.setattr(ti8, "quantize_x", lambda x: quantized.append(x.shape[0]) or quantize(x))
+    monkeypatch.setattr(ti8, "quantize_x", lambda x, t: quantized.append((x.shape[0], t)) or quantize(x, t))
     monkeypatch.setattr(ti8, "matmul_into", lambda o, q, s, c=None: gemms.append((o.shape[0], s.rows)) or gemm(o, q, s, c))
     gen = torch.Generator().manual_seed(9)
     for m in (1, 3, ti8.I8_MAX_TOKENS, ti8.I8_MAX_TOKENS + 1):
@@ -129,7 +136,8 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
         assert got.dtype == torch.bfloat16 and got.shape == (m, start)
         assert _rel(got, ref) < 1e-2, m
     top = ti8.I8_MAX_TOKENS
-    assert quantized == [3, top] and gemms == [(3, 32), (3, 21), (top, 32), (top, 21)]
+    assert quantized == [(3, "Q4_K"), (3, "Q8_0"), (top, "Q4_K"), (top, "Q8_0")]
+    assert gemms == [(3, 32), (3, 24), (3, 21), (top, 32), (top, 24), (top, 21)]
 
 
 # ---------------------------------------------------------------------------- sm_90 compiles
@@ -141,11 +149,11 @@ def test_gguf_i8_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
 
 
 def _gemm(rows: int, k: int, mma_sync: bool = False) -> None:
-    """The launch `i8_config` picks at 16 tokens for a [rows, k] weight (or a 32-row mma.sync
-    program)."""
+    """Q4_K: the launch `i8_config` picks at 16 tokens for a [rows, k] weight (or a 32-row
+    mma.sync program)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
-    cfg = ti8.i8_config(rows, k, 16)
+    cfg = ti8.i8_config("Q4_K", rows, k, 16)
     if mma_sync:
         cfg = ti8.I8Config(32, 16, cfg.split_k, 2, 3)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
@@ -153,7 +161,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False) -> None:
     ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
     constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
-    ptx = compile_sm90(ti8._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
+    ptx = compile_sm90(ti8._q4_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
     # `_scale_halves` multiplies four codes by the first one's scale half: its operands must be in
     # the dot's operand layout with 4, 8 or 16 consecutive K values of a row per register
     scale_op = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and "mul.lo.u32" in line)
@@ -166,7 +174,29 @@ def _gemm(rows: int, k: int, mma_sync: bool = False) -> None:
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
-CASES = {"gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True)}
+def _q8_0(rows: int, k: int) -> None:
+    """Q8_0 at the rule's launch: an mma.sync per 32-value group and 16 tokens (the stored bytes
+    need no unpacking: both operands through shared memory), the two x parts joined in int32 in
+    registers (no shuffles, no shared-memory round trip), no spills, PDL."""
+    from paphos.quant.gguf import triton_gguf_i8 as ti8
+
+    cfg = ti8.i8_config("Q8_0", rows, k, 16)
+    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+            "w_ptr": "*i8", "d_ptr": "*fp16"}  # fmt: skip
+    ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
+    args |= {name: "i32" for name in ints}
+    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    ptx = compile_sm90(ti8._q8_0_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+    # 8 groups a step, 32 rows and 32 columns a warp: 2 x 4 m16n8k32 each
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)) == 8 * 2 * 4
+    assert "shfl" not in ptx and "wgmma" not in ptx
+    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
+
+
+CASES = {
+    "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
+    "q8_0-gate_up": (_q8_0, 28672, 4096), "q8_0-down": (_q8_0, 4096, 14336),
+}  # fmt: skip
 
 
 if __name__ == "__main__":

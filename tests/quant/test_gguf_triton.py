@@ -217,6 +217,29 @@ def test_self_check_failure_falls_back_to_dequantize_at_load(tg, monkeypatch: py
     assert torch.allclose(kernel.apply(layer, x), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
+def test_int8_path_failing_its_self_check_leaves_the_fused_kernel(tg, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A wrong int8 tensor-core kernel costs batched decode its speed, not the layer its planes:
+    the layer stays on the Triton kernels and 2-32 tokens take the fused kernel."""
+    from paphos.quant.gguf import triton_gguf_i8 as ti8
+
+    layer, shards, w = _merged_layer(tg, ("Q8_0",), (16,))
+    wrong = []
+
+    def off_by_one(out: torch.Tensor, *args: object, **kwargs: object) -> None:
+        wrong.append(out.shape[0])
+        out.fill_(1.0)
+
+    monkeypatch.setattr(ti8, "matmul_into", off_by_one)
+    monkeypatch.setattr(tg, "_VERIFIED", {})
+    monkeypatch.setattr(tg, "_INT8_FAILED", set())
+    kernel = tg.TritonGGUFKernel(matmul=False)
+    kernel.prepare(layer, shards, torch.float32)
+    assert kernel.fallback is None and wrong == [5, 16]  # checked at 5 and 16 tokens, then left out
+    assert tg._INT8_FAILED == {("Q8_0", "cpu")}
+    x = torch.randn(16, K)
+    assert _rel(kernel.apply(layer, x), x @ w.t()) < 1e-2 and wrong == [5, 16]
+
+
 def test_kernel_choice(tg) -> None:  # noqa: ANN001
     from paphos.quant.gguf.kernels import KERNELS
 

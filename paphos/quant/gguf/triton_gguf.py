@@ -7,7 +7,7 @@ whose shards all have a format in `FORMATS` -> `prepare` repacks each run of sam
 raw blocks -> `apply(x)` -> `matmul`:
   - M == 1 (batch-1 decode, the head of one sampled row): `gemv_matmul`, triton_gemv's kernel for
     every linear format (the fused kernel below for IQ4 and Q3_K segments).
-  - M <= triton_gguf_i8.I8_MAX_TOKENS (32): Q4_K segments through triton_gguf_i8's int8
+  - M <= triton_gguf_i8.I8_MAX_TOKENS (32): Q4_K and Q8_0 segments through triton_gguf_i8's int8
     tensor-core kernel (`i8_matmul`; the layer's other segments through the fused kernel).
   - M <= FUSED_MAX_TOKENS rows: `_fused_kernel`, one launch per segment; each program owns BLOCK_N
     output rows and a slice of K (split-K), reads its packed planes once and accumulates in fp32;
@@ -367,12 +367,12 @@ def default_gemv_config(type_name: str, rows: int, k: int) -> GemvConfig:
 
 def matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
     """x [M, K] (contiguous) -> [M, n_total] in x's dtype: the GEMV at one token, the int8
-    tensor-core kernel up to its I8_MAX_TOKENS for Q4_K segments, the fused kernel up to
+    tensor-core kernel up to its I8_MAX_TOKENS for Q4_K and Q8_0 segments, the fused kernel up to
     FUSED_MAX_TOKENS tokens, dequantize + cuBLAS above."""
     m = x.shape[0]
     if m == 1:
         return gemv_matmul(x, segments, n_total)
-    if m <= triton_gguf_i8.I8_MAX_TOKENS and any(triton_gguf_i8.supports(s.type_name, s.k) for s in segments):
+    if m <= triton_gguf_i8.I8_MAX_TOKENS and any(_int8_path(s) for s in segments):
         return i8_matmul(x, segments, n_total)
     if m <= FUSED_MAX_TOKENS:
         return fused_matmul(x, segments, n_total)
@@ -447,15 +447,17 @@ def fused_matmul(
 
 
 def i8_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
-    """x [M, K] -> [M, n_total]: triton_gguf_i8 for the segments it supports (x quantized once),
+    """x [M, K] -> [M, n_total]: triton_gguf_i8 for the segments it supports (x quantized once per
+    type),
     the fused kernel for the others."""
     out = torch.empty(x.shape[0], n_total, dtype=x.dtype, device=x.device)
-    xq = None
+    xq: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for seg in segments:
         dst = out[:, seg.row_start : seg.row_start + seg.rows]
-        if triton_gguf_i8.supports(seg.type_name, seg.k):
-            xq = xq or triton_gguf_i8.quantize_x(x)
-            triton_gguf_i8.matmul_into(dst, xq, seg)
+        if _int8_path(seg):
+            if seg.type_name not in xq:
+                xq[seg.type_name] = triton_gguf_i8.quantize_x(x, seg.type_name)
+            triton_gguf_i8.matmul_into(dst, xq[seg.type_name], seg)
         else:
             dst.copy_(fused_matmul(x, [seg.alone()], seg.rows))
     return out
@@ -539,30 +541,51 @@ def dequant_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> to
 
 
 _VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}
+# (type, device) whose int8 tensor-core path failed its self-check: their batched decode keeps the
+# fused kernel
+_INT8_FAILED: set[tuple[str, str]] = set()
+
+
+def _int8_path(seg: Segment) -> bool:
+    return triton_gguf_i8.supports(seg.type_name, seg.k) and (seg.type_name, str(seg.planes["lo"].device)) not in _INT8_FAILED
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return (got.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
 
 
 def _self_check(seg: Segment, dtype: torch.dtype) -> bool:
     """Once per (type, device, dtype): the kernels on the first rows of a real layer against the
-    torch reference (M = 1, 16 and the dequant path). False (logged) if they fail to compile or
-    disagree, and then the layer falls back to dequantize-at-load."""
-    key = (seg.type_name, str(seg.planes["lo"].device), dtype)
+    torch reference (M = 1, 5, 16 and the dequant path). The int8 path first, on its own: if it
+    fails to compile or disagrees it is logged and left out (batched decode keeps the fused
+    kernel). Then False (logged) if the others fail, and the layer falls back to
+    dequantize-at-load."""
+    dev = seg.planes["lo"].device
+    key = (seg.type_name, str(dev), dtype)
     if key in _VERIFIED:
         return _VERIFIED[key]
     ok = True
     try:
         rows = min(seg.rows, 64)
         sub = Segment(seg.type_name, 0, rows, seg.k, {n: t[:rows] for n, t in seg.planes.items()})
-        dev = seg.planes["lo"].device
         w = torch.empty(rows, seg.k, dtype=torch.float32, device=dev)
         dequant_into(sub, 0, rows, w)
         gen = torch.Generator(device=dev).manual_seed(0)
-        for m in (1, 5, 16):
-            x = torch.randn(m, seg.k, device=dev, generator=gen).to(dtype)
-            ref = x.float() @ w.t()
-            got = matmul(x, [sub], rows).float()
-            err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+        xs = [torch.randn(m, seg.k, device=dev, generator=gen).to(dtype) for m in (1, 5, 16)]
+        if _int8_path(sub):
+            try:
+                errs = [_relative_error(i8_matmul(x, [sub], rows), x.float() @ w.t()) for x in xs[1:]]
+                failure = None if max(errs) <= 1e-2 else f"relative error {max(errs):.3g}"
+            except Exception as e:  # noqa: BLE001 (any compile/launch failure -> the fused kernel)
+                failure = str(e)
+            if failure is not None:
+                logger.warning("GGUF %s int8 tensor-core kernel failed its self-check (%s); batched decode keeps "
+                               "the fused kernel", seg.type_name, failure)  # fmt: skip
+                _INT8_FAILED.add((seg.type_name, str(dev)))
+        for x in xs:
+            err = _relative_error(matmul(x, [sub], rows), x.float() @ w.t())
             if not err <= 1e-2:
-                logger.warning("GGUF %s Triton kernel: relative error %.3g at M=%d", seg.type_name, err, m)
+                logger.warning("GGUF %s Triton kernel: relative error %.3g at M=%d", seg.type_name, err, x.shape[0])
                 ok = False
     except Exception as e:  # noqa: BLE001 (any compile/launch failure -> the safe fallback)
         logger.warning(

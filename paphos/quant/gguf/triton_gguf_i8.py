@@ -1,22 +1,26 @@
-"""GGUF's int8 tensor-core GEMM for batched decode (2 to I8_MAX_TOKENS tokens a step) on Q4_K's
-repacked planes (planes.py), most of the bytes of a Q4_K_M file; the other types keep
-triton_gguf's fused kernel.
+"""GGUF's int8 tensor-core GEMMs for batched decode (2 to I8_MAX_TOKENS tokens a step) on the
+repacked planes (planes.py) of Q4_K (most of the bytes of a Q4_K_M file) and Q8_0; the other
+types keep triton_gguf's fused kernel.
 
-Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x), seg)` for each Q4_K
-segment of a linear (`supports`); two launches per linear:
+Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
+Q4_K or Q8_0 segment of a linear (`supports`); two launches per linear (x quantized once per type):
   1. paphos/quant/kernels/x_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
-     with one dx per token and super-block of XB = 256 values, in the order the kernel
+     with one dx per token and block of XB = 256 values, in the order the type's kernel
      multiplies the plane's codes (`stream_order`).
-  2. `_gemm_kernel`: out^T = W x^T, BN weight rows x BM tokens a program (both x parts side by
-     side: N = 2 BM columns), one super-block (256 values, 128 bytes a row) a step. A Q4_K value
-     is d sc q - dmin mn with a 6-bit scale sc and min mn per 32 values: the bytes' low nibbles
-     (AND) and high nibbles (shift, AND) are two K=128 operands as they lie in registers, and
-     sc = 8 s_hi + s_lo (3 bits each) makes int8 operands of them, s_hi q and s_lo q (at most
-     105: one 32-bit multiplication makes four), so that int8 dots (wgmma s8, the operands in
-     registers, chained without a wait) give the step exactly in int32: 8 (s_hi q . x) + (s_lo q
-     . x) and mn . x (mn at every position of its sub-block); then one float32 step, (d D - dmin
-     Dmin) dx / 254, the parts summed at the end. Split-K through split_k.store_tile as the
+  2. A kernel computing out^T = W x^T, BN weight rows x BM tokens a program (both x parts side by
+     side: N = 2 BM columns), 256 values a step; split-K through split_k.store_tile as the
      integer family's kernels.
+     - `_q4_k_kernel`: one super-block (128 bytes a row) a step. A Q4_K value is d sc q - dmin mn
+       with a 6-bit scale sc and min mn per 32 values: the bytes' low nibbles (AND) and high
+       nibbles (shift, AND) are two K=128 operands as they lie in registers, and sc = 8 s_hi +
+       s_lo (3 bits each) makes int8 operands of them, s_hi q and s_lo q (at most 105: one 32-bit
+       multiplication makes four), so that int8 dots (wgmma s8, the operands in registers,
+       chained without a wait) give the step exactly in int32: 8 (s_hi q . x) + (s_lo q . x) and
+       mn . x (mn at every position of its sub-block); then one float32 step, (d D - dmin Dmin)
+       dx / 254, the parts summed at the end.
+     - `_q8_0_kernel`: eight 32-value groups a step. The stored bytes are the int8 operand as
+       they are (no unpacking); per group one K=32 dot, its two parts joined in int32 (254 D1 +
+       D2, in registers), times the group's fp16 scale in float32; per step times dx / 254.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
 
@@ -27,9 +31,18 @@ down 34.8 (87.9, 45.1): 129.6 us a layer against 333.9 fused and 161.7 bf16 (1.2
 20-38 % of copy bandwidth, issue-bound. Earlier versions: the nibbles joined into K-ordered
 codes first (byte permutes for every operand register): 145.9 us against bf16's 118.9 on an
 H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
-wait on every dot): 250.5 against 170.2 on an H100. Q8_0 (a float scale per 32 values) and Q6_K
-(signed 8-bit scales per 16 values: no two-way split into int8 products) measured on that first
-version lost to the fused kernel and stay there.
+wait on every dot): 250.5 against 170.2 on an H100. Q6_K (signed 8-bit scales per 16 values: no
+two-way split into int8 products, and a 16-value group is half an int8 MMA's K) stays on the
+fused kernel.
+
+Q8_0 is not yet measured on a GPU (the device was not lent when it was written). Its launch
+comes from the static count of benchmarks/gguf_i8_sass.py (sm_90 SASS of the K loop, thread-
+instructions per weight byte): Q4_K's kernel 8.6 at its rule's launch (the measured 20-38 % of
+copy bandwidth); Q8_0 3.75 on 4 warps with wgmma (a wait after each group's dot: 0.47 per KiB)
+and 2.87 on 2 warps with mma.sync (no waits), which the rule takes. An earlier Q8_0 trial on
+the first Q4_K version's path (per group a wgmma and its wait, 64-row programs) ran a layer in
+178 us against the fused kernel's 170 on an H100: the first GPU run of this one must compare
+the launches (`--sections i8` sweeps both MMA kinds) before the rule is trusted.
 """
 
 from __future__ import annotations
@@ -59,17 +72,23 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 I8_MAX_TOKENS = 32
 
 
+TYPES = ("Q4_K", "Q8_0")
+
+
 def supports(type_name: str, k: int) -> bool:
-    return type_name == "Q4_K" and k % XB == 0
+    return type_name in TYPES and k % XB == 0
 
 
-def stream_order() -> torch.Tensor:
-    """[XB] int64: position j of a quantized x block holds value stream_order()[j] of the block,
-    the order of the codes in the kernel's operands: the low nibbles of the super-block's 128
-    bytes, then their high nibbles. Byte i is byte 4w + b of sub-block i // 16's tile group (T =
-    4 words; code p of word w is value p * 4 + w, planes.py): codes 2b (low) and 2b + 1 (high)
-    of word w."""
+def stream_order(type_name: str) -> torch.Tensor:
+    """[XB] int64: position j of a quantized x block holds value stream_order(type_name)[j] of the
+    block, the order of the codes in the type's kernel operands. Q4_K: the low nibbles of the
+    super-block's 128 bytes, then their high nibbles; byte i is byte 4w + b of sub-block i // 16's
+    tile group (T = 4 words; code p of word w is value p * 4 + w, planes.py): codes 2b (low) and
+    2b + 1 (high) of word w. Q8_0: the 256 bytes as stored, byte 4w + p of a 16-value tile group
+    holding value p * 4 + w."""
     j = torch.arange(XB)
+    if type_name == "Q8_0":
+        return j // 16 * 16 + j % 4 * 4 + j % 16 // 4
     high, byte = j // 128, j % 128
     t = byte % 16
     return byte // 16 * 32 + (2 * (t % 4) + high) * 4 + t // 4
@@ -107,7 +126,7 @@ if triton is not None:
         return tl.load(ptr + rows.to(tl.int64) * per_row + at, mask=row_ok, other=0)
 
     @triton.jit
-    def _gemm_kernel(
+    def _q4_k_kernel(
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om, iters_per_split,
         BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
@@ -154,24 +173,65 @@ if triton is not None:
                            N, stride_om, pid_n * tl.num_programs(0) + pid_m, tl.program_id(2), tl.num_programs(2),
                            SPLIT, ASM)  # fmt: skip
 
+    @triton.jit
+    def _q8_0_kernel(
+        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, d_ptr, M, N, K, stride_om, iters_per_split,
+        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`_q4_k_kernel`'s tiling for Q8_0 (module docstring): per 32-value group one K=32 int8 dot
+        of the stored bytes, its int32 result times the group's fp16 scale d in float32; per
+        x block of 256 values the sum times dx. w_ptr: the int8 code plane, d_ptr: the scales."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        n_blocks = K // 256
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
+            pid_n, pid_m, tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
+        )
+        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 32)
+        x_ok = tok_ok[None, :]
+        r64 = rows.to(tl.int64)
+        w_rows = w_ptr + r64[:, None] * K + tl.arange(0, 32)[None, :]
+        d_rows = d_ptr + r64 * (K // 32)
+        part_w = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2: x / dx * 254
+        tok_m = pid_m * BM + tl.arange(0, BM)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for it in range(it0, it1):
+            dx = tl.load(dx_ptr + tok_m * n_blocks + it, mask=tok_m < M, other=0.0) * (1.0 / 254.0)
+            step = tl.zeros((BN, BM), dtype=tl.float32)
+            for c in tl.static_range(8):
+                g = it * 8 + c
+                d = tl.load(d_rows + g, mask=row_ok, other=0).to(tl.float32)
+                wb = tl.load(w_rows + g * 32, mask=row_ok[:, None], other=0)
+                xb = tl.load(x_cols + g * 32, mask=x_ok, other=0)
+                dot = x_blocks.sum_parts(tl.dot(wb, xb, out_dtype=tl.int32) * part_w[None, :], BN, BM)
+                step += dot.to(tl.float32) * d[:, None]
+            acc += step * dx[None, :]
+        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
+                           N, stride_om, pid_n * tl.num_programs(0) + pid_m, tl.program_id(2), tl.num_programs(2),
+                           SPLIT, ASM)  # fmt: skip
+
 
 # ---------------------------------------------------------------------------- launches
 
 
-# (N, K, tokens per program) -> a launch measured better than `i8_config`'s, filled by
+# (type, N, K, tokens per program) -> a launch measured better than `i8_config`'s, filled by
 # benchmarks/bench_gguf_gpu.py's `i8` sweep (the engine sections after it use them)
-TUNED_CONFIGS: dict[tuple[int, int, int], I8Config] = {}
+TUNED_CONFIGS: dict[tuple[str, int, int, int], I8Config] = {}
 
 
-def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
+def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
     """The launch at M tokens (16 per program, the token tiles of a row tile side by side in the
-    grid so the second reads the weights from L2) by the rule the H200 sweep's winners follow (the
-    module docstring's shapes): 64 rows, 4 warps (wgmma), 256 values a step, 3 stages, K split
-    while the grid stays within `programs_per_sm` programs per multiprocessor and each slice keeps
-    two super-blocks (q|k 2 slices, o and down 4). A per-shape entry of TUNED_CONFIGS wins. (32
-    rows with 2 warps, mma.sync, came 1.2-1.4x slower, and spill under triton 3.6.)"""
+    grid so the second reads the weights from L2): 64 rows, 3 stages, K split while the grid stays
+    within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks
+    (q|k 2 slices, o and down 4). Q4_K on 4 warps (wgmma, the rule the H200 sweep's winners
+    follow; 32 rows with 2 warps, mma.sync, came 1.2-1.4x slower and spill under triton 3.6);
+    Q8_0 on 2 warps (mma.sync: no wait after each group's dot, the fewest instructions a byte in
+    the module docstring's count; not yet measured on a GPU). A per-shape entry of TUNED_CONFIGS
+    wins."""
     bm = 16
-    tuned = TUNED_CONFIGS.get((rows, k, bm))
+    tuned = TUNED_CONFIGS.get((type_name, rows, k, bm))
     if tuned is not None:
         return tuned
     block_n = 64
@@ -179,13 +239,14 @@ def i8_config(rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
     blocks, split = k // XB, 1
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
-    return I8Config(block_n, bm, split, num_stages=3)
+    return I8Config(block_n, bm, split, num_warps=2 if type_name == "Q8_0" else 4, num_stages=3)
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> the (parts, dx, sums) of x_blocks; `_gemm_kernel` reads the parts and dx (the
-    minimum's own dot replaces the sums)."""
-    return x_blocks.quantize(x, x_blocks.device_order("Q4_K", x.device, stream_order), XB, XB)
+def quantize_x(x: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> the (parts, dx, sums) of x_blocks in `type_name`'s stream order; the kernels
+    read the parts and dx (Q4_K's minimum has its own dot, Q8_0 has none: the sums go unread)."""
+    order = x_blocks.device_order(type_name, x.device, lambda: stream_order(type_name))
+    return x_blocks.quantize(x, order, XB, XB)
 
 
 def matmul_into(
@@ -193,17 +254,21 @@ def matmul_into(
     cfg: I8Config | None = None,
 ) -> None:  # fmt: skip
     """out [M, seg.rows] (a column slice of the linear's output, unit stride on rows) = x W^T of
-    one Q4_K segment (triton_gguf.Segment), from `quantize_x`; `cfg` overrides `i8_config`."""
+    one segment of a supported type (triton_gguf.Segment), from `quantize_x` in that type's
+    order; `cfg` overrides `i8_config`."""
     parts, dx, _ = xq
     m, k = out.shape[0], seg.k
     n = seg.rows
-    cfg = cfg or i8_config(n, k, m)
+    cfg = cfg or i8_config(seg.type_name, n, k, m)
     tiles = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     p = seg.planes
-    _gemm_kernel[(*tiles, cut.count)](
-        parts, dx, out, cut.partials, cut.counters, p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"],
-        p["smin"], m, n, k, out.stride(0), cut.per,
+    if seg.type_name == "Q8_0":
+        kernel, planes = _q8_0_kernel, (p["lo"], p["sc"])
+    else:
+        kernel, planes = _q4_k_kernel, (p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"], p["smin"])
+    kernel[(*tiles, cut.count)](
+        parts, dx, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per,
         BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip

@@ -1,0 +1,88 @@
+"""Static cost of GGUF's int8 tensor-core kernels (paphos/quant/gguf/triton_gguf_i8.py) for an
+H100/H200 (sm_90), on any machine, no GPU needed: each kernel compiled at several launches, and
+from its SASS the main loop's instructions per thread and step, thread-instructions per weight
+byte, tensor-core waits (wgmma `WARPGROUP.DEPBAR`) per KiB of weights, registers and spills.
+
+Why: the kernels are issue-bound (benchmarks/README.md), and the measured Q4_K versions rank as
+their counts do: the one-dot-per-sub-block version (12.0 instructions a byte, with 76 global loads
+a step inside its loop) streamed half the final one's bytes per second (8.6, 20 loads); so the
+counts rank launches and versions where no GPU is at hand. They are not a timing:
+benchmarks/bench_gguf_gpu.py `i8` is.
+
+    python benchmarks/gguf_i8_sass.py [--out counts.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
+from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
+from tests.device_triton import compile_sm90  # noqa: E402
+
+COMMON = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+KERNELS = {  # type -> (kernel, its plane pointers, weight bytes a row per 256-value step)
+    "Q4_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+                                "smin_ptr": "*fp16"}, 144),
+    "Q8_0": (ti8._q8_0_kernel, {"w_ptr": "*i8", "d_ptr": "*fp16"}, 272),
+}  # fmt: skip
+LAUNCHES = ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1))  # (rows, warps)
+_ADDR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*)$")
+
+
+def main_loop(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's body (the K loop)."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in map(_ADDR.match, sass.splitlines()) if m]
+    loops = []
+    for at, text in code:
+        target = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < at:
+            loops.append((int(target.group(1), 16), at))
+    start, end = max(loops, key=lambda ab: ab[1] - ab[0])
+    return [text for at, text in code if start <= at <= end]
+
+
+def opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def count(type_name: str, rows: int, warps: int) -> dict[str, object]:
+    kernel, planes, row_bytes = KERNELS[type_name]
+    ints = dict(M=16, N=4096, K=4096, stride_om=4096, iters_per_split=4)
+    args = COMMON | planes | {name: "i32" for name in ints}
+    out = compile_sm90(kernel, args, dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True), warps, ints, 3, sass=True)
+    body = main_loop(out)
+    ops = Counter(opcode(t) for t in body)
+    step_bytes = rows * row_bytes
+    waits = sum(1 for t in body if opcode(t) == "WARPGROUP" and "DEPBAR" in t)
+    return {
+        "type": type_name, "rows": rows, "warps": warps, "mma": "wgmma" if "wgmma" in out else "mma.sync",
+        "loop_instructions": len(body), "per_byte": len(body) * 32 * warps / step_bytes,
+        "waits_per_kib": waits * 1024 / step_bytes, "registers": int(re.search(r"REG:(\d+)", out).group(1)),
+        "spill_stack": int(re.search(r"STACK:(\d+)", out).group(1)), "top": dict(ops.most_common(8)),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    rows = []
+    print(f"{'type':5} {'rows':>4} {'warps':>5} {'mma':8} {'loop':>5} {'instr/B':>7} {'waits/KiB':>9} {'regs':>4} spill")
+    for type_name in KERNELS:
+        for bn, warps in LAUNCHES:
+            r = count(type_name, bn, warps)
+            rows.append(r)
+            print(f"{type_name:5} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
+                  f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
