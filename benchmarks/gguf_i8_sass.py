@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
+from paphos.quant.gguf import planes, triton_gguf  # noqa: E402
 from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
 from tests.device_triton import compile_sm90  # noqa: E402
 
@@ -30,7 +31,9 @@ KERNELS = {  # type -> (kernel, its plane pointers, weight bytes a row per 256-v
     "Q4_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
                                 "smin_ptr": "*fp16"}, 144),
     "Q8_0": (ti8._q8_0_kernel, {"w_ptr": "*i8", "d_ptr": "*fp16"}, 272),
+    "Q6_K": (ti8._q6_k_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"}, 210),
 }  # fmt: skip
+SCALE_POINTER = {0: "*fp16", 1: "*i8", 2: "*u8"}
 LAUNCHES = ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1))  # (rows, warps)
 _ADDR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*)$")
 
@@ -64,8 +67,28 @@ def count(type_name: str, rows: int, warps: int) -> dict[str, object]:
         "type": type_name, "rows": rows, "warps": warps, "mma": "wgmma" if "wgmma" in out else "mma.sync",
         "loop_instructions": len(body), "per_byte": len(body) * 32 * warps / step_bytes,
         "waits_per_kib": waits * 1024 / step_bytes, "registers": int(re.search(r"REG:(\d+)", out).group(1)),
-        "spill_stack": int(re.search(r"STACK:(\d+)", out).group(1)), "top": dict(ops.most_common(8)),
+        "spill_stack": int(re.search(r"STACK:(\d+)", out).group(1)), "top": dict(ops.most_common(16)),
     }  # fmt: skip
+
+
+def count_fused(type_name: str) -> dict[str, object]:
+    """triton_gguf's fused bf16 kernel, which these types ran before, at its rule's launch for 16
+    tokens on a 4096 x 4096 weight."""
+    fmt = planes.FORMATS[type_name]
+    cfg = triton_gguf.config_for(type_name, 4096, 4096, 16)
+    args = {"x_ptr": "*bf16", "out_ptr": "*fp32", "lo_ptr": "*i8" if fmt.lo == 8 else "*i32", "hi_ptr": "*i32",
+            "sc_ptr": SCALE_POINTER[fmt.scale], "sd_ptr": "*fp16", "mn_ptr": "*fp16" if fmt.mink == 1 else "*u8",
+            "smin_ptr": "*fp16", "lut_ptr": "*fp32"}  # fmt: skip
+    ints = dict(M=16, N=4096, K=4096, stride_xm=4096, stride_om=4096, iters_per_split=4096 // cfg.block_k)
+    args |= {name: "i32" for name in ints}
+    constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
+                      SCMIN_NIB=fmt.scmin_nib, BM=16, BN=cfg.block_n, BK=cfg.block_k, ATOMIC=True,
+                      DOT_F32=False)  # fmt: skip
+    out = compile_sm90(triton_gguf._fused_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, sass=True)
+    body = main_loop(out)
+    step_bytes = cfg.block_n * cfg.block_k * KERNELS[type_name][2] / 256
+    return {"type": type_name, "rows": cfg.block_n, "warps": cfg.num_warps, "mma": "fused bf16",
+            "loop_instructions": len(body), "per_byte": len(body) * 32 * cfg.num_warps / step_bytes}  # fmt: skip
 
 
 def main() -> None:
@@ -80,6 +103,11 @@ def main() -> None:
             rows.append(r)
             print(f"{type_name:5} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
+    for type_name in KERNELS:
+        r = count_fused(type_name)
+        rows.append(r)
+        print(f"{type_name:5} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",
+              flush=True)  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

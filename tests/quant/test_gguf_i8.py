@@ -1,17 +1,20 @@
-"""GGUF's int8 tensor-core path for Q4_K and Q8_0 (paphos/quant/gguf/triton_gguf_i8.py).
+"""GGUF's int8 tensor-core path for Q4_K, Q8_0 and Q6_K (paphos/quant/gguf/triton_gguf_i8.py).
 
-- `stream_order` is the order of the codes in the kernel's operands, read from repacked planes
-  the way the kernel reads them (a super-block's bytes: low nibbles, then high); x_blocks.quantize
-  writes x in that order, bit for bit its torch reference, within half a step of dx / 254.
-- The GEMM under the interpreter against dequantize-then-float32-matmul (planes.reference_matmul)
-  within 1e-4 of max|ref| (x's quantization; the integer sums are exact), at 2, 9, 16 and 29
-  tokens (two token tiles), one and several K slices, masked rows and tokens, 16- to 64-row
-  programs.
-- `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for Q4_K segments, the
-  fused kernel for a layer's other segments, x quantized once.
-- The kernel compiles for sm_90 with both tritons in the rule's launches: wgmma with the codes in
-  registers, no spills, PDL, and the scale multiplication in the dot operand's layout (four
-  codes of one sub-block per register); a 32-row program (mma.sync) keeps that layout too.
+- `stream_order` is the order of the codes in each type's kernel operands, read from repacked
+  planes the way the kernel reads them (Q4_K: a super-block's bytes' low nibbles, then high; Q8_0:
+  the stored bytes; Q6_K: per sub-block its low-plane bytes' low nibbles, then high, each with
+  its 2 high-plane bits); x_blocks.quantize writes x in that order, bit for bit its torch
+  reference, within half a step of dx / 254.
+- Each type's GEMM under the interpreter against dequantize-then-float32-matmul
+  (planes.reference_matmul) within 1e-4 of max|ref| (x's quantization; the integer sums are
+  exact), at 2, 9, 16 and 29 tokens (two token tiles), one and several K slices, masked rows and
+  tokens, 16- to 64-row programs.
+- `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for Q4_K, Q8_0 and Q6_K
+  segments, the fused kernel for a layer's other segments, x quantized once per type.
+- The kernels compile for sm_90 with both tritons in the rules' launches, no spills, PDL: Q4_K
+  with wgmma and the codes in registers, the scale multiplication in the dot operand's layout
+  (four codes of one sub-block per register; a 32-row mma.sync program keeps it); Q8_0 and Q6_K
+  with mma.sync, Q6_K's code assembly on runs of four operand positions.
 """
 
 from __future__ import annotations
@@ -59,21 +62,29 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_supports() -> None:
-    assert supports("Q4_K", 4096) and supports("Q4_K", 14336) and supports("Q8_0", 4096)
+    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q8_0", "Q6_K"))
     assert not supports("Q4_K", 4096 + 128) and not supports("Q8_0", 4096 + 32)  # a partial x block
-    assert not any(supports(t, 4096) for t in ("Q6_K", "Q5_K", "Q4_0"))
+    assert not any(supports(t, 4096) for t in ("Q5_K", "Q4_0", "Q3_K"))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "Q6_K"])
 def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     raw = _raw(type_name, 8, K, 1)
     fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size(type_name)), type_name)
     natural = fields["q"].reshape(8, K).long()
     order = stream_order(type_name)
     assert sorted(order.tolist()) == list(range(256))
-    lo = planes.repack(raw, type_name)["lo"].contiguous()
+    packed = planes.repack(raw, type_name)
+    lo = packed["lo"].contiguous()
     if type_name == "Q8_0":  # the stored bytes, as the kernel loads them
         operands = lo.long()
+    elif type_name == "Q6_K":  # per sub-block: its 8 low-plane bytes' low nibbles, then high ones
+        b = lo.view(torch.uint8).long().reshape(8, -1, 1, 8)
+        low = torch.cat([b & 15, b >> 4], 2).reshape(8, -1, 16)
+        hi = packed["hi"].long().reshape(8, -1, 1) & 0xFFFFFFFF  # 16 codes' 2 bits, in low-plane order
+        p = torch.arange(16)
+        in_lo_order = 8 * (p % 8 // 4) + 2 * (p % 4) + p // 8  # operand position -> code of the word pair
+        operands = (low | ((hi >> (2 * in_lo_order)) & 3) << 4).reshape(8, K)
     else:  # per super-block: low nibbles, then high
         b = lo.view(torch.uint8).long().reshape(8, -1, 128)
         operands = torch.cat([b & 15, b >> 4], -1).reshape(8, K)
@@ -98,7 +109,7 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "Q6_K"])
 def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 2)
     seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
@@ -115,10 +126,10 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A layer of Q4_K, Q6_K, Q8_0 and Q4_K segments (a Q4_K_M q|k|v with v in the middle, and a
-    Q8_0 one): Q4_K and Q8_0 take the int8 path with x quantized once per type, Q6_K the fused
-    kernel; one token stays on the GEMV, I8_MAX_TOKENS + 1 leaves the path."""
-    types, rows = ("Q4_K", "Q6_K", "Q8_0", "Q4_K"), (32, 16, 24, 21)
+    """A layer of Q4_K, Q6_K, Q5_K and Q8_0 segments (a Q4_K_M q|k|v with v in the middle, a Q5_K
+    and a Q8_0 one): Q4_K, Q6_K and Q8_0 take the int8 path with x quantized once per type, Q5_K
+    the fused kernel; one token stays on the GEMV, I8_MAX_TOKENS + 1 leaves the path."""
+    types, rows = ("Q4_K", "Q6_K", "Q5_K", "Q8_0"), (32, 16, 8, 24)
     raws = [_raw(t, r, K, 7 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
     segs, start = [], 0
     for t, raw in zip(types, raws, strict=True):
@@ -136,8 +147,8 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
         assert got.dtype == torch.bfloat16 and got.shape == (m, start)
         assert _rel(got, ref) < 1e-2, m
     top = ti8.I8_MAX_TOKENS
-    assert quantized == [(3, "Q4_K"), (3, "Q8_0"), (top, "Q4_K"), (top, "Q8_0")]
-    assert gemms == [(3, 32), (3, 24), (3, 21), (top, 32), (top, 24), (top, 21)]
+    assert quantized == [(m, t) for m in (3, top) for t in ("Q4_K", "Q6_K", "Q8_0")]
+    assert gemms == [(m, r) for m in (3, top) for r in (32, 16, 24)]
 
 
 # ---------------------------------------------------------------------------- sm_90 compiles
@@ -193,9 +204,34 @@ def _q8_0(rows: int, k: int) -> None:
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
+def _q6_k(rows: int, k: int) -> None:
+    """Q6_K at the rule's launch: two mma.sync per chunk of two sub-blocks and 16 tokens, no
+    spills, PDL; `_q6_k_codes` reads four consecutive operand positions a register, the first at
+    k % 4 == 0 (in the dot operand's layout, or a blocked one holding runs of 4, 8 or 16 along K)."""
+    from paphos.quant.gguf import triton_gguf_i8 as ti8
+
+    cfg = ti8.i8_config("Q6_K", rows, k, 16)
+    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+            "lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"}  # fmt: skip
+    ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
+    args |= {name: "i32" for name in ints}
+    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    ptx = compile_sm90(ti8._q6_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)) == 8 * 2 * 2 * 4
+    assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
+    codes = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and "0x60606060" in line)
+    layout = re.search(r"tensor<\d+x32xi8, #(\w+)>", codes).group(1)
+    if layout.startswith("blocked"):
+        blocked = re.search(rf"#{layout} = #ttg\.blocked<\{{sizePerThread = \[1, (\d+)\].*order = \[1, 0\]", ptx)
+        assert blocked and int(blocked.group(1)) % 4 == 0, codes
+    else:
+        assert re.search(r"#ttg\.dot_op<\{opIdx = 0, parent = #mma, kWidth = (4|8|16)\}>", codes), codes
+
+
 CASES = {
     "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
     "q8_0-gate_up": (_q8_0, 28672, 4096), "q8_0-down": (_q8_0, 4096, 14336),
+    "q6_k-down": (_q6_k, 4096, 14336), "q6_k-head": (_q6_k, 128256, 4096),
 }  # fmt: skip
 
 

@@ -1,9 +1,11 @@
 """GGUF's int8 tensor-core GEMMs for batched decode (2 to I8_MAX_TOKENS tokens a step) on the
-repacked planes (planes.py) of Q4_K (most of the bytes of a Q4_K_M file) and Q8_0; the other
-types keep triton_gguf's fused kernel.
+repacked planes (planes.py) of Q4_K and Q6_K (the bytes of a Q4_K_M file: Q6_K holds attn_v and
+ffn_down of half the layers and the head) and Q8_0; the other types keep triton_gguf's fused
+kernel.
 
 Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
-Q4_K or Q8_0 segment of a linear (`supports`); two launches per linear (x quantized once per type):
+Q4_K, Q6_K or Q8_0 segment of a linear (`supports`); two launches per linear (x quantized once
+per type):
   1. paphos/quant/kernels/x_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
      with one dx per token and block of XB = 256 values, in the order the type's kernel
      multiplies the plane's codes (`stream_order`).
@@ -21,6 +23,12 @@ Q4_K or Q8_0 segment of a linear (`supports`); two launches per linear (x quanti
      - `_q8_0_kernel`: eight 32-value groups a step. The stored bytes are the int8 operand as
        they are (no unpacking); per group one K=32 dot, its two parts joined in int32 (254 D1 +
        D2, in registers), times the group's fp16 scale in float32; per step times dx / 254.
+     - `_q6_k_kernel`: eight chunks of two 16-value sub-blocks a step. A Q6_K value is d sc (q -
+       32), q 6 bits, sc a signed 8-bit scale per 16 values. The chunk's signed codes v = q - 32
+       are one K=32 operand (`_q6_k_codes`: the low-plane nibbles joined with their 2 high bits,
+       four codes a register), a second copy zeroes the first sub-block, and two dots give sc_a
+       (v . x) + (sc_b - sc_a) (v_b . x) exactly in int32 over the super-block (an int8 MMA's K
+       is at least 32: a sub-block alone is half of it); then d dx / 254 in float32.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
 
@@ -31,18 +39,19 @@ down 34.8 (87.9, 45.1): 129.6 us a layer against 333.9 fused and 161.7 bf16 (1.2
 20-38 % of copy bandwidth, issue-bound. Earlier versions: the nibbles joined into K-ordered
 codes first (byte permutes for every operand register): 145.9 us against bf16's 118.9 on an
 H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
-wait on every dot): 250.5 against 170.2 on an H100. Q6_K (signed 8-bit scales per 16 values: no
-two-way split into int8 products, and a 16-value group is half an int8 MMA's K) stays on the
-fused kernel.
+wait on every dot): 250.5 against 170.2 on an H100.
 
-Q8_0 is not yet measured on a GPU (the device was not lent when it was written). Its launch
-comes from the static count of benchmarks/gguf_i8_sass.py (sm_90 SASS of the K loop, thread-
-instructions per weight byte): Q4_K's kernel 8.6 at its rule's launch (the measured 20-38 % of
-copy bandwidth); Q8_0 3.75 on 4 warps with wgmma (a wait after each group's dot: 0.47 per KiB)
-and 2.87 on 2 warps with mma.sync (no waits), which the rule takes. An earlier Q8_0 trial on
-the first Q4_K version's path (per group a wgmma and its wait, 64-row programs) ran a layer in
-178 us against the fused kernel's 170 on an H100: the first GPU run of this one must compare
-the launches (`--sections i8` sweeps both MMA kinds) before the rule is trusted.
+Q8_0 and Q6_K are not yet measured on a GPU (no device was lent when they were written). Their
+launches come from the static count of benchmarks/gguf_i8_sass.py (sm_90 SASS of the K loop,
+thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
+instructions per byte came to 9.8 and 9.7 TB/s x instr/B on an H100 for Q4_K's int8 kernel (8.6
+a byte, 1.14 TB/s on gate|up) and the fused kernel on Q8_0 (7.2 a byte, a layer in 170 us: 1.36
+TB/s), 14.8 for the fused kernel on Q6_K's down projection (24.7 a byte, 80 us: 0.6 TB/s).
+Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with wgmma on 4 warps,
+7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
+warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x). The rule takes mma.sync for both; the first GPU run must confirm it
+(`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's
+path (a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
 """
 
 from __future__ import annotations
@@ -72,7 +81,7 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 I8_MAX_TOKENS = 32
 
 
-TYPES = ("Q4_K", "Q8_0")
+TYPES = ("Q4_K", "Q8_0", "Q6_K")
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -85,10 +94,14 @@ def stream_order(type_name: str) -> torch.Tensor:
     super-block's 128 bytes, then their high nibbles; byte i is byte 4w + b of sub-block i // 16's
     tile group (T = 4 words; code p of word w is value p * 4 + w, planes.py): codes 2b (low) and
     2b + 1 (high) of word w. Q8_0: the 256 bytes as stored, byte 4w + p of a 16-value tile group
-    holding value p * 4 + w."""
+    holding value p * 4 + w. Q6_K: per 16-value sub-block (two words of the low plane, T = 2),
+    the low nibbles of its 8 bytes, then their high nibbles (`_q6_k_operand`)."""
     j = torch.arange(XB)
     if type_name == "Q8_0":
         return j // 16 * 16 + j % 4 * 4 + j % 16 // 4
+    if type_name == "Q6_K":
+        sub, word, byte, high = j // 16, j % 8 // 4, j % 4, j % 16 // 8
+        return sub * 16 + (2 * byte + high) * 2 + word
     high, byte = j // 128, j % 128
     t = byte % 16
     return byte // 16 * 32 + (2 * (t % 4) + high) * 4 + t // 4
@@ -115,6 +128,37 @@ if triton is not None:
         else:
             c = codes.to(tl.int32)
             return (c * s_hi.to(tl.int32)).to(tl.int8), (c * s_lo.to(tl.int32)).to(tl.int8)
+
+    @triton.jit
+    def _q6_k_codes(lo, hi, nib_shift, hi_shift, second, ASM: tl.constexpr):
+        """Q6_K codes as signed int8 v = q - 32 at a chunk's operand positions, and v on the second
+        sub-block's positions only (zero on the first). Per position (all uint8 / int8, so that
+        they share the dot operand's layout): lo, the low-plane byte holding its low 4 bits at
+        `nib_shift` (0 or 4); hi, byte k % 4 of its sub-block's high-plane word, which holds its
+        2 bits at `hi_shift` + 4 (k % 4); second, -1 on the second sub-block. GPU: four positions a
+        register (k % 4 = 0..3, the operand's layout as `_scale_halves`): they share the shifts,
+        and their register of `hi` is the whole word: its 4 nibbles spread into bytes (PRMT), the
+        2 bits joined above the low nibbles, 32 taken off with no carry between bytes ((q + 0x60)
+        ^ 0x80)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 n, h, t; and.b32 t, $4, 0xFF; shr.b32 n, $2, t; and.b32 n, n, 0x0F0F0F0F; "
+                "and.b32 t, $5, 0xFF; shr.b32 h, $3, t; prmt.b32 h, h, 0, 0x1100; shl.b32 t, h, 4; "
+                "and.b32 t, t, 0x00300030; and.b32 h, h, 0x30003000; or.b32 h, h, t; or.b32 n, n, h; "
+                "add.u32 n, n, 0x60606060; xor.b32 $0, n, 0x80808080; and.b32 $1, $0, $6; }",
+                "=r,=r,r,r,r,r,r", [lo, hi, nib_shift, hi_shift, second], dtype=(tl.int8, tl.int8),
+                is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            BN: tl.constexpr = lo.shape[0]
+            KC: tl.constexpr = lo.shape[1]
+            # each run of four positions' bytes of `hi`, as the word they are
+            b = tl.reshape(hi.to(tl.int32), (BN, KC // 4, 4)) << (8 * tl.arange(0, 4))[None, None, :]
+            word = tl.reshape(tl.broadcast_to(tl.sum(b, axis=2)[:, :, None], (BN, KC // 4, 4)), (BN, KC))
+            at = hi_shift.to(tl.int32) + 4 * (tl.arange(0, KC) % 4)[None, :]
+            nib = (lo.to(tl.int32) >> nib_shift.to(tl.int32)) & 15
+            v = (nib | (((word >> at) & 3) << 4)) - 32
+            return v.to(tl.int8), tl.where(second != 0, v, 0).to(tl.int8)
 
     @triton.jit
     def _per_byte(t, BN: tl.constexpr, S: tl.constexpr, R: tl.constexpr):
@@ -213,6 +257,58 @@ if triton is not None:
                            SPLIT, ASM)  # fmt: skip
 
 
+if triton is not None:
+
+    @triton.jit
+    def _q6_k_kernel(
+        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, M, N, K, stride_om,
+        iters_per_split,
+        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`_q4_k_kernel`'s tiling for Q6_K (module docstring): per chunk of two 16-value sub-blocks
+        (16 low-plane bytes and 2 high-plane words a row) the signed codes as one K=32 operand and
+        again with the first sub-block zeroed, two dots, sc_a D + (sc_b - sc_a) D_b exact in int32
+        over the super-block; then times d dx in float32. lo_ptr, hi_ptr: the planes as bytes."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        n_blocks = K // 256
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
+            pid_n, pid_m, tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
+        )
+        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 32)
+        x_ok = tok_ok[None, :]
+        r64 = rows.to(tl.int64)
+        k = tl.arange(0, 32)  # a chunk's operand positions: sub-block k // 16, high nibble k // 8 % 2
+        second, high, word = k // 16, k // 8 % 2, k % 8 // 4
+        lo_rows = lo_ptr + r64[:, None] * (K // 2) + (second * 8 + k % 8)[None, :]
+        hi_rows = hi_ptr + r64[:, None] * (K // 4) + (second * 4 + k % 4)[None, :]
+        nib_shift = tl.broadcast_to((4 * high).to(tl.int8)[None, :], (BN, 32))
+        hi_shift = tl.broadcast_to((16 * word + 2 * high).to(tl.int8)[None, :], (BN, 32))
+        second_mask = tl.broadcast_to((-second).to(tl.int8)[None, :], (BN, 32))
+        sc_rows = sc_ptr + r64 * (K // 16)
+        part_w = tl.where(first, 1.0, 1.0 / 254.0)
+        acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
+        for it in range(it0, it1):
+            dd = _row_scalar(sd_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
+            dx = tl.load(dx_ptr + tok * n_blocks + it, mask=tok_ok, other=0.0) * part_w
+            step = tl.zeros((BN, 2 * BM), dtype=tl.int32)
+            for c in tl.static_range(8):
+                lo = tl.load(lo_rows + it * 128 + c * 16, mask=row_ok[:, None], other=0)
+                hw = tl.load(hi_rows + it * 64 + c * 8, mask=row_ok[:, None], other=0)
+                sc_a = tl.load(sc_rows + it * 16 + 2 * c, mask=row_ok, other=0).to(tl.int32)
+                sc_b = tl.load(sc_rows + it * 16 + 2 * c + 1, mask=row_ok, other=0).to(tl.int32)
+                v, v_b = _q6_k_codes(lo, hw, nib_shift, hi_shift, second_mask, ASM)
+                xb = tl.load(x_cols + it * 256 + c * 32, mask=x_ok, other=0)
+                step += sc_a[:, None] * tl.dot(v, xb, out_dtype=tl.int32)
+                step += (sc_b - sc_a)[:, None] * tl.dot(v_b, xb, out_dtype=tl.int32)
+            acc += step.to(tl.float32) * dd[:, None] * dx[None, :]
+        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
+                           N, stride_om, pid_n * tl.num_programs(0) + pid_m, tl.program_id(2), tl.num_programs(2),
+                           SPLIT, ASM)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- launches
 
 
@@ -227,9 +323,9 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks
     (q|k 2 slices, o and down 4). Q4_K on 4 warps (wgmma, the rule the H200 sweep's winners
     follow; 32 rows with 2 warps, mma.sync, came 1.2-1.4x slower and spill under triton 3.6);
-    Q8_0 on 2 warps (mma.sync: no wait after each group's dot, the fewest instructions a byte in
-    the module docstring's count; not yet measured on a GPU). A per-shape entry of TUNED_CONFIGS
-    wins."""
+    Q8_0 and Q6_K on 2 warps (mma.sync: no wait after each small dot, the fewest instructions a
+    byte in the module docstring's count; not yet measured on a GPU). A per-shape entry of
+    TUNED_CONFIGS wins."""
     bm = 16
     tuned = TUNED_CONFIGS.get((type_name, rows, k, bm))
     if tuned is not None:
@@ -239,7 +335,7 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     blocks, split = k // XB, 1
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
-    return I8Config(block_n, bm, split, num_warps=2 if type_name == "Q8_0" else 4, num_stages=3)
+    return I8Config(block_n, bm, split, num_warps=4 if type_name == "Q4_K" else 2, num_stages=3)
 
 
 def quantize_x(x: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -265,6 +361,8 @@ def matmul_into(
     p = seg.planes
     if seg.type_name == "Q8_0":
         kernel, planes = _q8_0_kernel, (p["lo"], p["sc"])
+    elif seg.type_name == "Q6_K":
+        kernel, planes = _q6_k_kernel, (p["lo"].view(torch.uint8), p["hi"].view(torch.uint8), p["sc"], p["sd"])
     else:
         kernel, planes = _q4_k_kernel, (p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"], p["smin"])
     kernel[(*tiles, cut.count)](
