@@ -166,6 +166,27 @@ if triton is not None:
         return tl.reshape(tl.broadcast_to(t[:, :, None], (BN, S, R)), (BN, S * R))
 
     @triton.jit
+    def _program(q_ptr, M, N, K, iters_per_split, BN: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr,
+                 PDL: tl.constexpr):  # fmt: skip
+        """Every kernel's start: the wait for the kernel before, then x_blocks.program_tile of this
+        program (grid: token tiles, row tiles, K slices) and the pointers to the first KB positions
+        of its x operand's columns."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
+            tl.program_id(1), tl.program_id(0), tl.program_id(2), N, M, K // 256, iters_per_split, BN, BM
+        )
+        return rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_blocks.part_pointers(q_ptr, first, tok, M, K, KB)
+
+    @triton.jit
+    def _store(out_t, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, SPLIT: tl.constexpr,
+               ASM: tl.constexpr):  # fmt: skip
+        """Every kernel's end: its out^T tile [rows, tokens] through split_k.store_tile."""
+        split_k.store_tile(out_t, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
+                           tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
+                           tl.num_programs(2), SPLIT, ASM)  # fmt: skip
+
+    @triton.jit
     def _row_scalar(ptr, rows, row_ok, per_row, at):
         return tl.load(ptr + rows.to(tl.int64) * per_row + at, mask=row_ok, other=0)
 
@@ -177,15 +198,9 @@ if triton is not None:
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
         per program along grid axis 2 (module docstring). w_ptr: the code plane as bytes."""
-        pdl.release(PDL)
-        pdl.wait(PDL)
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
+                                                                                BM, 128, PDL)  # fmt: skip
         n_blocks = K // 256
-        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
-            pid_n, pid_m, tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
-        )
-        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 128)
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
         w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, 128)[None, :]
@@ -213,9 +228,8 @@ if triton is not None:
             mn_b = _per_byte(mn.to(tl.int8), BN, 8, 16)
             d_mn = tl.dot(mn_b, x_hi, tl.dot(mn_b, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             acc += ((8 * d_hi + d_lo).to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
-        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
-                           N, stride_om, pid_n * tl.num_programs(0) + pid_m, tl.program_id(2), tl.num_programs(2),
-                           SPLIT, ASM)  # fmt: skip
+        _store(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
+               SPLIT, ASM)  # fmt: skip
 
     @triton.jit
     def _q8_0_kernel(
@@ -225,24 +239,17 @@ if triton is not None:
         """`_q4_k_kernel`'s tiling for Q8_0 (module docstring): per 32-value group one K=32 int8 dot
         of the stored bytes, its int32 result times the group's fp16 scale d in float32; per
         x block of 256 values the sum times dx. w_ptr: the int8 code plane, d_ptr: the scales."""
-        pdl.release(PDL)
-        pdl.wait(PDL)
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
+                                                                                BM, 32, PDL)  # fmt: skip
         n_blocks = K // 256
-        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
-            pid_n, pid_m, tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
-        )
-        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 32)
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)
         w_rows = w_ptr + r64[:, None] * K + tl.arange(0, 32)[None, :]
         d_rows = d_ptr + r64 * (K // 32)
         part_w = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2: x / dx * 254
-        tok_m = pid_m * BM + tl.arange(0, BM)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for it in range(it0, it1):
-            dx = tl.load(dx_ptr + tok_m * n_blocks + it, mask=tok_m < M, other=0.0) * (1.0 / 254.0)
+            dx = tl.load(dx_ptr + ms * n_blocks + it, mask=m_ok, other=0.0) * (1.0 / 254.0)
             step = tl.zeros((BN, BM), dtype=tl.float32)
             for c in tl.static_range(8):
                 g = it * 8 + c
@@ -252,9 +259,7 @@ if triton is not None:
                 dot = x_blocks.sum_parts(tl.dot(wb, xb, out_dtype=tl.int32) * part_w[None, :], BN, BM)
                 step += dot.to(tl.float32) * d[:, None]
             acc += step * dx[None, :]
-        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
-                           N, stride_om, pid_n * tl.num_programs(0) + pid_m, tl.program_id(2), tl.num_programs(2),
-                           SPLIT, ASM)  # fmt: skip
+        _store(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, SPLIT, ASM)
 
 
 if triton is not None:
@@ -269,15 +274,9 @@ if triton is not None:
         (16 low-plane bytes and 2 high-plane words a row) the signed codes as one K=32 operand and
         again with the first sub-block zeroed, two dots, sc_a D + (sc_b - sc_a) D_b exact in int32
         over the super-block; then times d dx in float32. lo_ptr, hi_ptr: the planes as bytes."""
-        pdl.release(PDL)
-        pdl.wait(PDL)
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
+                                                                                BM, 32, PDL)  # fmt: skip
         n_blocks = K // 256
-        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
-            pid_n, pid_m, tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
-        )
-        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 32)
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)
         k = tl.arange(0, 32)  # a chunk's operand positions: sub-block k // 16, high nibble k // 8 % 2
@@ -304,9 +303,8 @@ if triton is not None:
                 step += sc_a[:, None] * tl.dot(v, xb, out_dtype=tl.int32)
                 step += (sc_b - sc_a)[:, None] * tl.dot(v_b, xb, out_dtype=tl.int32)
             acc += step.to(tl.float32) * dd[:, None] * dx[None, :]
-        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
-                           N, stride_om, pid_n * tl.num_programs(0) + pid_m, tl.program_id(2), tl.num_programs(2),
-                           SPLIT, ASM)  # fmt: skip
+        _store(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
+               SPLIT, ASM)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launches
