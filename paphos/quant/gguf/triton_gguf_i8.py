@@ -42,7 +42,7 @@ H200; one K=32 dot per sub-block with its scale applied to the int32 result befo
 wait on every dot): 250.5 against 170.2 on an H100.
 
 Q8_0 and Q6_K are not yet measured on a GPU (no device was lent when they were written). Their
-launches come from the static count of benchmarks/gguf_i8_sass.py (sm_90 SASS of the K loop,
+launches come from the static count of benchmarks/int8_sass.py (sm_90 SASS of the K loop,
 thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
 instructions per byte came to 9.8 and 9.7 TB/s x instr/B on an H100 for Q4_K's int8 kernel (8.6
 a byte, 1.14 TB/s on gate|up) and the fused kernel on Q8_0 (7.2 a byte, a layer in 170 us: 1.36

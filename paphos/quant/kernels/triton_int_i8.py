@@ -20,6 +20,12 @@ two launches per linear:
      quantization and the float32 accumulation over blocks.
 Blocks of 128 lie inside one scale group: groups of 128 or more (power of two) or per-channel,
 K a multiple of 128 (`supports`); other layers keep the bf16 fused kernel.
+
+The parts are joined per token in int32 (a thread holds both columns of a token) before the zero
+point and the float step, which then run on BM columns instead of 2 BM: 286 instructions in the
+K loop at the 16-token rule (128 rows, 4 warps) instead of 338, 4.33 a weight byte instead of
+5.12 (benchmarks/int8_sass.py's count on this kernel; the issue-bound shapes' time tracks
+it), not yet timed on a GPU. Timings: benchmarks/README.md, "The int8 tensor-core path".
 """
 
 from __future__ import annotations
@@ -90,12 +96,11 @@ if triton is not None:
 
     @triton.jit
     def _block_scalars(
-        s_ptr, z_ptr, dx_ptr, sum_ptr, it, rows, row_ok, tok, tok_ok, first, N, n_blocks, group_shift,
+        s_ptr, z_ptr, dx_ptr, sum_ptr, it, rows, row_ok, ms, m_ok, N, n_blocks, group_shift,
         BITS: tl.constexpr, HAS_Z: tl.constexpr,
     ):  # fmt: skip
         """Block it's row scales (float32) and zero points in the stored codes' terms (int32; 8 for
-        symmetric 4-bit, 0 for symmetric 8-bit), and per x column dx / 254 and the integer sum
-        (first parts only, zero elsewhere)."""
+        symmetric 4-bit, 0 for symmetric 8-bit), and per token dx / 254 and the integer sum."""
         at = ((it * 128) >> group_shift).to(tl.int64) * N + rows
         scale = tl.load(s_ptr + at, mask=row_ok, other=0).to(tl.float32)
         stored: tl.constexpr = 0 if BITS == 4 else 128  # the stored code is q - stored
@@ -103,9 +108,9 @@ if triton is not None:
             zero = tl.load(z_ptr + at, mask=row_ok, other=0).to(tl.int32) - stored
         else:
             zero = tl.full(rows.shape, (1 << (BITS - 1)) - stored, tl.int32)
-        xg = tok * n_blocks + it
-        dx = tl.load(dx_ptr + xg, mask=tok_ok, other=0.0) * (1.0 / 254.0)
-        xsum = tl.load(sum_ptr + xg, mask=tok_ok & first, other=0)
+        xg = ms * n_blocks + it
+        dx = tl.load(dx_ptr + xg, mask=m_ok, other=0.0) * (1.0 / 254.0)
+        xsum = tl.load(sum_ptr + xg, mask=m_ok, other=0)
         return scale, zero, dx, xsum
 
     @triton.jit
@@ -133,16 +138,16 @@ if triton is not None:
         x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, NB)  # [NB, 2 BM]
         x_ok = tok_ok[None, :]
         weight = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2
-        acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
         # the block's scales, zeros, dx and sums are loaded a block ahead (not dot operands: the
         # software pipeline does not issue them early)
-        scale, zero, dx, xsum = _block_scalars(s_ptr, z_ptr, dx_ptr, sum_ptr, it0, rows, row_ok, tok, tok_ok, first,
-                                               N, n_blocks, group_shift, BITS, HAS_Z)  # fmt: skip
+        scale, zero, dx, xsum = _block_scalars(s_ptr, z_ptr, dx_ptr, sum_ptr, it0, rows, row_ok, ms, m_ok, N,
+                                               n_blocks, group_shift, BITS, HAS_Z)  # fmt: skip
         for it in range(it0, it1):
             k0 = it * 128
             scale_n, zero_n, dx_n, xsum_n = _block_scalars(
-                s_ptr, z_ptr, dx_ptr, sum_ptr, tl.minimum(it + 1, it1 - 1), rows, row_ok, tok, tok_ok, first, N,
-                n_blocks, group_shift, BITS, HAS_Z,
+                s_ptr, z_ptr, dx_ptr, sum_ptr, tl.minimum(it + 1, it1 - 1), rows, row_ok, ms, m_ok, N, n_blocks,
+                group_shift, BITS, HAS_Z,
             )  # fmt: skip
             wb = tl.load(w_rows + it * NB, mask=row_ok[:, None], other=0)
             if BITS == 4:
@@ -151,10 +156,12 @@ if triton is not None:
                 d = tl.dot(hi, tl.load(x_cols + k0 + 64, mask=x_ok, other=0), d, out_dtype=tl.int32)
             else:
                 d = tl.dot(wb, tl.load(x_cols + k0, mask=x_ok, other=0), out_dtype=tl.int32)
-            d = d * weight[None, :] - zero[:, None] * xsum[None, :]
+            # the parts joined in int32 first (in registers: a thread holds both columns of a
+            # token), so the zero point and the float step run once per token, not per part
+            d = x_blocks.sum_parts(d * weight[None, :], BN, BM) - zero[:, None] * xsum[None, :]
             acc += d.to(tl.float32) * scale[:, None] * dx[None, :]
             scale, zero, dx, xsum = scale_n, zero_n, dx_n, xsum_n
-        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
+        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
                            N, stride_om, pid_m * tl.num_programs(0) + pid_n, pid_k, tl.num_programs(1), SPLIT,
                            ASM)  # fmt: skip
 

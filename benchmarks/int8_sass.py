@@ -1,7 +1,9 @@
-"""Static cost of GGUF's int8 tensor-core kernels (paphos/quant/gguf/triton_gguf_i8.py) for an
-H100/H200 (sm_90), on any machine, no GPU needed: each kernel compiled at several launches, and
-from its SASS the main loop's instructions per thread and step, thread-instructions per weight
-byte, tensor-core waits (wgmma `WARPGROUP.DEPBAR`) per KiB of weights, registers and spills.
+"""Static cost of the int8 tensor-core kernels (GGUF's paphos/quant/gguf/triton_gguf_i8.py, the
+integer family's paphos/quant/kernels/triton_int_i8.py on 4-bit group-128 planes) and of the
+GGUF fused bf16 kernel they replace, for an H100/H200 (sm_90), on any machine, no GPU needed:
+each kernel compiled at several launches for 16 tokens and a 4096 x 4096 weight, and from its
+SASS the main loop's instructions per thread and step, thread-instructions per weight byte,
+tensor-core waits (wgmma `WARPGROUP.DEPBAR`) per KiB of weights, registers and spills.
 
 Why: the kernels are issue-bound (benchmarks/README.md), and the measured Q4_K versions rank as
 their counts do: the one-dot-per-sub-block version (12.0 instructions a byte, with 76 global loads
@@ -9,7 +11,7 @@ a step inside its loop) streamed half the final one's bytes per second (8.6, 20 
 counts rank launches and versions where no GPU is at hand. They are not a timing:
 benchmarks/bench_gguf_gpu.py `i8` is.
 
-    python benchmarks/gguf_i8_sass.py [--out counts.json]
+    python benchmarks/int8_sass.py [--out counts.json]
 """
 
 from __future__ import annotations
@@ -24,14 +26,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
 from paphos.quant.gguf import planes, triton_gguf  # noqa: E402
 from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
+from paphos.quant.kernels import triton_int_i8  # noqa: E402
 from tests.device_triton import compile_sm90  # noqa: E402
 
 COMMON = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
-KERNELS = {  # type -> (kernel, its plane pointers, weight bytes a row per 256-value step)
+SHAPE = dict(M=16, N=4096, K=4096, stride_om=4096)
+# name -> (kernel, its arguments besides COMMON's and SHAPE's, integer arguments, constexprs,
+# weight bytes a row per step)
+KERNELS = {
     "Q4_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
-                                "smin_ptr": "*fp16"}, 144),
-    "Q8_0": (ti8._q8_0_kernel, {"w_ptr": "*i8", "d_ptr": "*fp16"}, 272),
-    "Q6_K": (ti8._q6_k_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"}, 210),
+                                "smin_ptr": "*fp16"}, dict(iters_per_split=4), {}, 144),
+    "Q8_0": (ti8._q8_0_kernel, {"w_ptr": "*i8", "d_ptr": "*fp16"}, dict(iters_per_split=4), {}, 272),
+    "Q6_K": (ti8._q6_k_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
+             dict(iters_per_split=4), {}, 210),
+    "W4g128": (triton_int_i8._gemm_kernel, {"sum_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"},
+               dict(stride_w=2048, group_shift=7, iters_per_split=8), dict(BITS=4, HAS_Z=False), 66),
 }  # fmt: skip
 SCALE_POINTER = {0: "*fp16", 1: "*i8", 2: "*u8"}
 LAUNCHES = ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1))  # (rows, warps)
@@ -54,17 +63,19 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
-def count(type_name: str, rows: int, warps: int) -> dict[str, object]:
-    kernel, planes, row_bytes = KERNELS[type_name]
-    ints = dict(M=16, N=4096, K=4096, stride_om=4096, iters_per_split=4)
-    args = COMMON | planes | {name: "i32" for name in ints}
-    out = compile_sm90(kernel, args, dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True), warps, ints, 3, sass=True)
+def count(name: str, rows: int, warps: int) -> dict[str, object]:
+    kernel, planes, extra, constexprs, row_bytes = KERNELS[name]
+    ints = SHAPE | extra
+    args = COMMON | planes | {arg: "i32" for arg in ints}
+    constexprs = constexprs | dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True)
+    stages = 4 if name == "W4g128" else 3  # each rule's
+    out = compile_sm90(kernel, args, constexprs, warps, ints, stages, sass=True)
     body = main_loop(out)
     ops = Counter(opcode(t) for t in body)
     step_bytes = rows * row_bytes
     waits = sum(1 for t in body if opcode(t) == "WARPGROUP" and "DEPBAR" in t)
     return {
-        "type": type_name, "rows": rows, "warps": warps, "mma": "wgmma" if "wgmma" in out else "mma.sync",
+        "type": name, "rows": rows, "warps": warps, "mma": "wgmma" if "wgmma" in out else "mma.sync",
         "loop_instructions": len(body), "per_byte": len(body) * 32 * warps / step_bytes,
         "waits_per_kib": waits * 1024 / step_bytes, "registers": int(re.search(r"REG:(\d+)", out).group(1)),
         "spill_stack": int(re.search(r"STACK:(\d+)", out).group(1)), "top": dict(ops.most_common(16)),
@@ -86,7 +97,7 @@ def count_fused(type_name: str) -> dict[str, object]:
                       DOT_F32=False)  # fmt: skip
     out = compile_sm90(triton_gguf._fused_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, sass=True)
     body = main_loop(out)
-    step_bytes = cfg.block_n * cfg.block_k * KERNELS[type_name][2] / 256
+    step_bytes = cfg.block_n * cfg.block_k * KERNELS[type_name][4] / 256
     return {"type": type_name, "rows": cfg.block_n, "warps": cfg.num_warps, "mma": "fused bf16",
             "loop_instructions": len(body), "per_byte": len(body) * 32 * cfg.num_warps / step_bytes}  # fmt: skip
 
@@ -96,17 +107,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
-    print(f"{'type':5} {'rows':>4} {'warps':>5} {'mma':8} {'loop':>5} {'instr/B':>7} {'waits/KiB':>9} {'regs':>4} spill")
-    for type_name in KERNELS:
+    print(f"{'kernel':6} {'rows':>4} {'warps':>5} {'mma':8} {'loop':>5} {'instr/B':>7} {'waits/KiB':>9} {'regs':>4} spill")
+    for name in KERNELS:
         for bn, warps in LAUNCHES:
-            r = count(type_name, bn, warps)
+            r = count(name, bn, warps)
             rows.append(r)
-            print(f"{type_name:5} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
+            print(f"{name:6} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
-    for type_name in KERNELS:
+    for type_name in ("Q4_K", "Q8_0", "Q6_K"):
         r = count_fused(type_name)
         rows.append(r)
-        print(f"{type_name:5} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",
+        print(f"{type_name:6} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",
               flush=True)  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
