@@ -32,10 +32,12 @@ from tests.device_triton import compile_sm90  # noqa: E402
 COMMON = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
 SHAPE = dict(M=16, N=4096, K=4096, stride_om=4096)
 # name -> (kernel, its arguments besides COMMON's and SHAPE's, integer arguments, constexprs,
-# weight bytes a row per step)
+# weight bytes a row per step: the file's)
 KERNELS = {
-    "Q4_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
-                                "smin_ptr": "*fp16"}, dict(iters_per_split=4), {}, 144),
+    "Q4_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+                                "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=False), 144),
+    "Q5_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+                                "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=True), 176),
     "Q8_0": (ti8._q8_0_kernel, {"w_ptr": "*i8", "d_ptr": "*fp16"}, dict(iters_per_split=4), {}, 272),
     "Q6_K": (ti8._q6_k_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
              dict(iters_per_split=4), {}, 210),
@@ -114,7 +116,7 @@ def main() -> None:
             rows.append(r)
             print(f"{name:6} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
-    for type_name in ("Q4_K", "Q8_0", "Q6_K"):
+    for type_name in ("Q4_K", "Q5_K", "Q8_0", "Q6_K"):
         r = count_fused(type_name)
         rows.append(r)
         print(f"{type_name:6} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",

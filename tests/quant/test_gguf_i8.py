@@ -62,12 +62,12 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_supports() -> None:
-    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q8_0", "Q6_K"))
+    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q5_K", "Q8_0", "Q6_K"))
     assert not supports("Q4_K", 4096 + 128) and not supports("Q8_0", 4096 + 32)  # a partial x block
-    assert not any(supports(t, 4096) for t in ("Q5_K", "Q4_0", "Q3_K"))
+    assert not any(supports(t, 4096) for t in ("Q4_0", "Q5_0", "Q3_K", "IQ4_XS"))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K"])
 def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     raw = _raw(type_name, 8, K, 1)
     fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size(type_name)), type_name)
@@ -85,9 +85,15 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
         p = torch.arange(16)
         in_lo_order = 8 * (p % 8 // 4) + 2 * (p % 4) + p // 8  # operand position -> code of the word pair
         operands = (low | ((hi >> (2 * in_lo_order)) & 3) << 4).reshape(8, K)
-    else:  # per super-block: low nibbles, then high
+    else:  # per super-block: low nibbles, then high (Q5_K: each with its fifth bit)
         b = lo.view(torch.uint8).long().reshape(8, -1, 128)
-        operands = torch.cat([b & 15, b >> 4], -1).reshape(8, K)
+        operands = torch.cat([b & 15, b >> 4], -1)
+        if type_name == "Q5_K":  # fifth-plane byte w: low-plane word w's 8 codes, bit p: code p
+            bits = packed["hi"].contiguous().view(torch.uint8).long().reshape(8, -1, 32, 1)
+            p = torch.cat([2 * (torch.arange(128) % 4), 2 * (torch.arange(128) % 4) + 1])  # code in its word
+            fifth = (bits.expand(-1, -1, -1, 4).reshape(8, -1, 128).repeat(1, 1, 2) >> p) & 1
+            operands = operands | fifth << 4
+        operands = operands.reshape(8, K)
     assert torch.equal(operands, natural[:, (torch.arange(0, K, 256).reshape(-1, 1) + order).reshape(-1)])
 
 
@@ -109,7 +115,7 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K"])
 def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 2)
     seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
@@ -126,10 +132,10 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A layer of Q4_K, Q6_K, Q5_K and Q8_0 segments (a Q4_K_M q|k|v with v in the middle, a Q5_K
-    and a Q8_0 one): Q4_K, Q6_K and Q8_0 take the int8 path with x quantized once per type, Q5_K
+    """A layer of Q4_K, Q6_K, Q4_0 and Q8_0 segments (a Q4_K_M q|k|v with v in the middle, a Q4_0
+    and a Q8_0 one): Q4_K, Q6_K and Q8_0 take the int8 path with x quantized once per type, Q4_0
     the fused kernel; one token stays on the GEMV, I8_MAX_TOKENS + 1 leaves the path."""
-    types, rows = ("Q4_K", "Q6_K", "Q5_K", "Q8_0"), (32, 16, 8, 24)
+    types, rows = ("Q4_K", "Q6_K", "Q4_0", "Q8_0"), (32, 16, 8, 24)
     raws = [_raw(t, r, K, 7 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
     segs, start = [], 0
     for t, raw in zip(types, raws, strict=True):
@@ -159,24 +165,29 @@ def test_gguf_i8_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
     check_compiles_in_child("tests.quant.test_gguf_i8", CASES, triton_path)
 
 
-def _gemm(rows: int, k: int, mma_sync: bool = False) -> None:
-    """Q4_K: the launch `i8_config` picks at 16 tokens for a [rows, k] weight (or a 32-row
-    mma.sync program)."""
+def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K") -> None:
+    """Q4_K (or Q5_K): the launch `i8_config` picks at 16 tokens for a [rows, k] weight (or a
+    32-row mma.sync program)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
-    cfg = ti8.i8_config("Q4_K", rows, k, 16)
+    cfg = ti8.i8_config(type_name, rows, k, 16)
     if mma_sync:
         cfg = ti8.I8Config(32, 16, cfg.split_k, 2, 3)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-            "w_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8", "smin_ptr": "*fp16"}  # fmt: skip
+            "w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+            "smin_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True,
+                      PDL=True)  # fmt: skip
     ptx = compile_sm90(ti8._q4_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
-    # `_scale_halves` multiplies four codes by the first one's scale half: its operands must be in
-    # the dot's operand layout with 4, 8 or 16 consecutive K values of a row per register
-    scale_op = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and "mul.lo.u32" in line)
-    assert re.search(r"tensor<\d+x\d+xi8, #ttg\.dot_op<\{opIdx = 0, parent = #mma, kWidth = (4|8|16)\}>", scale_op), scale_op
+    # `_scale_halves` (and Q5_K's `_fifth_bits`) take four codes by the first one's scale: their
+    # operands must be in the dot's operand layout with 4, 8 or 16 consecutive K values of a row
+    # per register
+    asm = [line for line in ptx.splitlines() if "elementwise_inline_asm" in line and "mul.lo.u32" in line]
+    assert len(asm) == (3 if type_name == "Q5_K" else 2)
+    for op in asm:
+        assert re.search(r"tensor<\d+x\d+xi8, #ttg\.dot_op<\{opIdx = 0, parent = #mma, kWidth = (4|8|16)\}>", op), op
     if mma_sync:
         assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)
         return
@@ -230,6 +241,7 @@ def _q6_k(rows: int, k: int) -> None:
 
 CASES = {
     "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
+    "q5_k-gate_up": (_gemm, 28672, 4096, False, "Q5_K"), "q5_k-down": (_gemm, 4096, 14336, False, "Q5_K"),
     "q8_0-gate_up": (_q8_0, 28672, 4096), "q8_0-down": (_q8_0, 4096, 14336),
     "q6_k-down": (_q6_k, 4096, 14336), "q6_k-head": (_q6_k, 128256, 4096),
 }  # fmt: skip

@@ -1,11 +1,10 @@
 """GGUF's int8 tensor-core GEMMs for batched decode (2 to I8_MAX_TOKENS tokens a step) on the
-repacked planes (planes.py) of Q4_K and Q6_K (the bytes of a Q4_K_M file: Q6_K holds attn_v and
-ffn_down of half the layers and the head) and Q8_0; the other types keep triton_gguf's fused
-kernel.
+repacked planes (planes.py) of Q4_K, Q5_K and Q6_K (the bytes of Q4_K_M and Q5_K_M files: Q6_K
+holds attn_v and ffn_down of half the layers and the head) and Q8_0; the other types keep
+triton_gguf's fused kernel.
 
 Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
-Q4_K, Q6_K or Q8_0 segment of a linear (`supports`); two launches per linear (x quantized once
-per type):
+segment of a supported type (`supports`); two launches per linear (x quantized once per type):
   1. paphos/quant/kernels/x_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
      with one dx per token and block of XB = 256 values, in the order the type's kernel
      multiplies the plane's codes (`stream_order`).
@@ -19,7 +18,9 @@ per type):
        multiplication makes four), so that int8 dots (wgmma s8, the operands in registers,
        chained without a wait) give the step exactly in int32: 8 (s_hi q . x) + (s_lo q . x) and
        mn . x (mn at every position of its sub-block); then one float32 step, (d D - dmin Dmin)
-       dx / 254, the parts summed at the end.
+       dx / 254, the parts summed at the end. Q5_K (FIVE) is Q4_K with a fifth bit per code:
+       sc (q + 16 b) = sc q + 16 (sc b), and sc b (at most 63) is one more int8 operand pair
+       (`_fifth_bits`: the bits spread to bytes by one multiplication, times sc by another).
      - `_q8_0_kernel`: eight 32-value groups a step. The stored bytes are the int8 operand as
        they are (no unpacking); per group one K=32 dot, its two parts joined in int32 (254 D1 +
        D2, in registers), times the group's fp16 scale in float32; per step times dx / 254.
@@ -41,7 +42,7 @@ codes first (byte permutes for every operand register): 145.9 us against bf16's 
 H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
 wait on every dot): 250.5 against 170.2 on an H100.
 
-Q8_0 and Q6_K are not yet measured on a GPU (no device was lent when they were written). Their
+Q8_0, Q6_K and Q5_K are not yet measured on a GPU (no device was lent when they were written). Their
 launches come from the static count of benchmarks/int8_sass.py (sm_90 SASS of the K loop,
 thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
 instructions per byte came to 9.8 and 9.7 TB/s x instr/B on an H100 for Q4_K's int8 kernel (8.6
@@ -49,7 +50,8 @@ a byte, 1.14 TB/s on gate|up) and the fused kernel on Q8_0 (7.2 a byte, a layer 
 TB/s), 14.8 for the fused kernel on Q6_K's down projection (24.7 a byte, 80 us: 0.6 TB/s).
 Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with wgmma on 4 warps,
 7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
-warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x). The rule takes mma.sync for both; the first GPU run must confirm it
+warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x); Q5_K: 11.2 on
+Q4_K's launch (wgmma), 36.6 fused (about 3x). The rule takes mma.sync for both; the first GPU run must confirm it
 (`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's
 path (a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
 """
@@ -81,7 +83,7 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 I8_MAX_TOKENS = 32
 
 
-TYPES = ("Q4_K", "Q8_0", "Q6_K")
+TYPES = ("Q4_K", "Q5_K", "Q8_0", "Q6_K")
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -90,12 +92,13 @@ def supports(type_name: str, k: int) -> bool:
 
 def stream_order(type_name: str) -> torch.Tensor:
     """[XB] int64: position j of a quantized x block holds value stream_order(type_name)[j] of the
-    block, the order of the codes in the type's kernel operands. Q4_K: the low nibbles of the
-    super-block's 128 bytes, then their high nibbles; byte i is byte 4w + b of sub-block i // 16's
-    tile group (T = 4 words; code p of word w is value p * 4 + w, planes.py): codes 2b (low) and
-    2b + 1 (high) of word w. Q8_0: the 256 bytes as stored, byte 4w + p of a 16-value tile group
-    holding value p * 4 + w. Q6_K: per 16-value sub-block (two words of the low plane, T = 2),
-    the low nibbles of its 8 bytes, then their high nibbles (`_q6_k_operand`)."""
+    block, the order of the codes in the type's kernel operands. Q4_K and Q5_K (the same low
+    plane): the low nibbles of the super-block's 128 bytes, then their high nibbles; byte i is
+    byte 4w + b of sub-block i // 16's tile group (T = 4 words; code p of word w is value p * 4 + w,
+    planes.py): codes 2b (low) and 2b + 1 (high) of word w. Q8_0: the 256 bytes as stored, byte
+    4w + p of a 16-value tile group holding value p * 4 + w. Q6_K: per 16-value sub-block (two
+    words of the low plane, T = 2), the low nibbles of its 8 bytes, then their high nibbles
+    (`_q6_k_codes`)."""
     j = torch.arange(XB)
     if type_name == "Q8_0":
         return j // 16 * 16 + j % 4 * 4 + j % 16 // 4
@@ -128,6 +131,29 @@ if triton is not None:
         else:
             c = codes.to(tl.int32)
             return (c * s_hi.to(tl.int32)).to(tl.int8), (c * s_lo.to(tl.int32)).to(tl.int8)
+
+    @triton.jit
+    def _fifth_bits(bits, scale, ASM: tl.constexpr):
+        """Q5_K: for the codes of a low-plane byte (its low nibble: code 2b of its word, high
+        nibble: 2b + 1), their sub-block's scale where their fifth bit is set, else 0, as int8 (at
+        most 63): (low nibbles', high nibbles'). bits: the word's byte of the fifth-bit plane (bit
+        p: code p), scale: the sub-block's 6-bit scale, both per code byte. GPU: four bytes a
+        register (b = 0..3 of one word, the operand layout as `_scale_halves`): bits 2b (or 2b + 1)
+        spread to byte b by one multiplication (x 0x41041 on bits 0, 2, 4, 6 lands them on bits 0,
+        8, 16, 24, nothing else there), then one more by the scale."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t, u, s; and.b32 s, $3, 0xFF; and.b32 t, $2, 0x55; mul.lo.u32 t, t, 0x41041; "
+                "and.b32 t, t, 0x01010101; mul.lo.u32 $0, t, s; shr.b32 u, $2, 1; and.b32 u, u, 0x55; "
+                "mul.lo.u32 u, u, 0x41041; and.b32 u, u, 0x01010101; mul.lo.u32 $1, u, s; }",
+                "=r,=r,r,r", [bits, scale], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            b = 2 * (tl.arange(0, bits.shape[1]) % 4)[None, :]
+            s = scale.to(tl.int32)
+            lo = tl.where(((bits.to(tl.int32) >> b) & 1) != 0, s, 0)
+            hi = tl.where(((bits.to(tl.int32) >> (b + 1)) & 1) != 0, s, 0)
+            return lo.to(tl.int8), hi.to(tl.int8)
 
     @triton.jit
     def _q6_k_codes(lo, hi, nib_shift, hi_shift, second, ASM: tl.constexpr):
@@ -192,18 +218,21 @@ if triton is not None:
 
     @triton.jit
     def _q4_k_kernel(
-        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
+        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om, iters_per_split,
-        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
-        per program along grid axis 2 (module docstring). w_ptr: the code plane as bytes."""
+        per program along grid axis 2 (module docstring). w_ptr: the low code plane as bytes; with
+        FIVE (Q5_K) hi_ptr: the fifth-bit plane as bytes (unread otherwise)."""
         rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
                                                                                 BM, 128, PDL)  # fmt: skip
         n_blocks = K // 256
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
         w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, 128)[None, :]
+        hi_rows = hi_ptr + r64 * (K // 8) + tl.arange(0, 32)[None, :]  # byte j: low-plane word j's bits
         s_rows = r64 * (K // 32) + tl.arange(0, 8)[None, :]
         part_w = tl.where(first, 1.0, 1.0 / 254.0)  # 254 * (codes . q1) + codes . q2, over 254
         acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
@@ -227,7 +256,12 @@ if triton is not None:
             d_lo = tl.dot(hi_l, x_hi, tl.dot(lo_l, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             mn_b = _per_byte(mn.to(tl.int8), BN, 8, 16)
             d_mn = tl.dot(mn_b, x_hi, tl.dot(mn_b, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
-            acc += ((8 * d_hi + d_lo).to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
+            d_sc = 8 * d_hi + d_lo
+            if FIVE:  # sc (code + 16 bit) = sc code + 16 (sc bit): sc where the fifth bit is set
+                bits = _per_byte(tl.load(hi_rows + it * 32, mask=row_ok[:, None], other=0), BN, 32, 4)
+                lo_5, hi_5 = _fifth_bits(bits, _per_byte(sc, BN, 8, 16), ASM)
+                d_sc += 16 * tl.dot(hi_5, x_hi, tl.dot(lo_5, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
+            acc += (d_sc.to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
         _store(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
                SPLIT, ASM)  # fmt: skip
 
@@ -333,7 +367,7 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     blocks, split = k // XB, 1
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
-    return I8Config(block_n, bm, split, num_warps=4 if type_name == "Q4_K" else 2, num_stages=3)
+    return I8Config(block_n, bm, split, num_warps=4 if type_name in ("Q4_K", "Q5_K") else 2, num_stages=3)
 
 
 def quantize_x(x: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -357,14 +391,18 @@ def matmul_into(
     tiles = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     p = seg.planes
+    extra: dict[str, bool] = {}
     if seg.type_name == "Q8_0":
         kernel, planes = _q8_0_kernel, (p["lo"], p["sc"])
     elif seg.type_name == "Q6_K":
         kernel, planes = _q6_k_kernel, (p["lo"].view(torch.uint8), p["hi"].view(torch.uint8), p["sc"], p["sd"])
     else:
-        kernel, planes = _q4_k_kernel, (p["lo"].view(torch.uint8), p["sc"], p["sd"], p["mn"], p["smin"])
+        lo = p["lo"].view(torch.uint8)
+        kernel, planes = _q4_k_kernel, (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"], p["sd"], p["mn"],
+                                        p["smin"])  # fmt: skip
+        extra["FIVE"] = seg.type_name == "Q5_K"
     kernel[(*tiles, cut.count)](
         parts, dx, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per,
-        BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda,
+        BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda, **extra,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip
