@@ -39,8 +39,10 @@ KERNELS = {
     "Q5_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=True), 176),
     "Q8_0": (ti8._q8_0_kernel, {"w_ptr": "*i8", "d_ptr": "*fp16"}, dict(iters_per_split=4), {}, 272),
-    "Q6_K": (ti8._q6_k_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
-             dict(iters_per_split=4), {}, 210),
+    "Q6_K": (ti8._chunk_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
+             dict(iters_per_split=4), dict(IQ4=False), 210),
+    "IQ4_XS": (ti8._chunk_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
+               dict(iters_per_split=4), dict(IQ4=True), 136),
     "W4g128": (triton_int_i8._gemm_kernel, {"sum_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"},
                dict(stride_w=2048, group_shift=7, iters_per_split=8), dict(BITS=4, HAS_Z=False), 66),
 }  # fmt: skip
@@ -109,17 +111,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
-    print(f"{'kernel':6} {'rows':>4} {'warps':>5} {'mma':8} {'loop':>5} {'instr/B':>7} {'waits/KiB':>9} {'regs':>4} spill")
+    print(f"{'kernel':7} {'rows':>4} {'warps':>5} {'mma':8} {'loop':>5} {'instr/B':>7} {'waits/KiB':>9} {'regs':>4} spill")
     for name in KERNELS:
         for bn, warps in LAUNCHES:
             r = count(name, bn, warps)
             rows.append(r)
-            print(f"{name:6} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
+            print(f"{name:7} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
-    for type_name in ("Q4_K", "Q5_K", "Q8_0", "Q6_K"):
+    for type_name in ("Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS"):
         r = count_fused(type_name)
         rows.append(r)
-        print(f"{type_name:6} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",
+        print(f"{type_name:7} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",
               flush=True)  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -1,20 +1,23 @@
-"""GGUF's int8 tensor-core path for Q4_K, Q8_0 and Q6_K (paphos/quant/gguf/triton_gguf_i8.py).
+"""GGUF's int8 tensor-core path for Q4_K, Q5_K, Q8_0, Q6_K and IQ4_XS
+(paphos/quant/gguf/triton_gguf_i8.py).
 
 - `stream_order` is the order of the codes in each type's kernel operands, read from repacked
-  planes the way the kernel reads them (Q4_K: a super-block's bytes' low nibbles, then high; Q8_0:
-  the stored bytes; Q6_K: per sub-block its low-plane bytes' low nibbles, then high, each with
-  its 2 high-plane bits); x_blocks.quantize writes x in that order, bit for bit its torch
-  reference, within half a step of dx / 254.
+  planes the way the kernel reads them (Q4_K: a super-block's bytes' low nibbles, then high, Q5_K
+  each with its fifth bit; Q8_0: the stored bytes; Q6_K: per sub-block its low-plane bytes' low
+  nibbles, then high, each with its 2 high-plane bits; IQ4_XS: each word's 8 codes in turn);
+  x_blocks.quantize writes x in that order, bit for bit its torch reference, within half a step
+  of dx / 254. IQ4_XS's byte-permute tables are its levels.
 - Each type's GEMM under the interpreter against dequantize-then-float32-matmul
   (planes.reference_matmul) within 1e-4 of max|ref| (x's quantization; the integer sums are
   exact), at 2, 9, 16 and 29 tokens (two token tiles), one and several K slices, masked rows and
   tokens, 16- to 64-row programs.
-- `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for Q4_K, Q8_0 and Q6_K
+- `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for the supported types'
   segments, the fused kernel for a layer's other segments, x quantized once per type.
 - The kernels compile for sm_90 with both tritons in the rules' launches, no spills, PDL: Q4_K
   with wgmma and the codes in registers, the scale multiplication in the dot operand's layout
-  (four codes of one sub-block per register; a 32-row mma.sync program keeps it); Q8_0 and Q6_K
-  with mma.sync, Q6_K's code assembly on runs of four operand positions.
+  (four codes of one sub-block per register; a 32-row mma.sync program keeps it), Q5_K's fifth
+  bits likewise; Q8_0, Q6_K and IQ4_XS with mma.sync, Q6_K's and IQ4_XS's code assembly on runs
+  of four operand positions.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import pytest
 import torch
 
 from paphos.quant.gguf import planes
-from paphos.quant.gguf.triton_gguf_i8 import stream_order, supports
+from paphos.quant.gguf.triton_gguf_i8 import IQ4_TABLES, stream_order, supports
 from paphos.quant.kernels import split_k
 from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
 from tests.quant.gguf_blocks import random_blocks, weight_scale
@@ -62,12 +65,27 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_supports() -> None:
-    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q5_K", "Q8_0", "Q6_K"))
+    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS"))
     assert not supports("Q4_K", 4096 + 128) and not supports("Q8_0", 4096 + 32)  # a partial x block
-    assert not any(supports(t, 4096) for t in ("Q4_0", "Q5_0", "Q3_K", "IQ4_XS"))
+    assert not any(supports(t, 4096) for t in ("Q4_0", "Q5_0", "Q3_K", "IQ4_NL"))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K"])
+def test_iq4_tables_are_the_levels() -> None:
+    """`_iq4_levels`' byte-permute tables hold IQ4_KVALUES (level i: byte i % 4 of word i // 4), the
+    asm spells them as these words, and the interpreter path as their int32 values."""
+    import inspect
+
+    from paphos.quant.gguf import triton_gguf_i8 as ti8
+    from paphos.quant.gguf.dequant import IQ4_KVALUES
+
+    levels = torch.tensor(IQ4_TABLES, dtype=torch.int64)[:, None] >> (8 * torch.arange(4)) & 0xFF
+    assert torch.equal((levels ^ 0x80) - 0x80, torch.tensor(IQ4_KVALUES).reshape(4, 4))
+    source = inspect.getsource(ti8._iq4_levels.fn)
+    for word in IQ4_TABLES:
+        assert f"0x{word:08X}" in source and str(word - (1 << 32) if word >= 1 << 31 else word) in source
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS"])
 def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     raw = _raw(type_name, 8, K, 1)
     fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size(type_name)), type_name)
@@ -78,6 +96,8 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     lo = packed["lo"].contiguous()
     if type_name == "Q8_0":  # the stored bytes, as the kernel loads them
         operands = lo.long()
+    elif type_name == "IQ4_XS":  # each word's 8 codes in turn (code p at bits 4p)
+        operands = ((lo.long().reshape(8, -1, 1) & 0xFFFFFFFF) >> (4 * torch.arange(8)) & 15).reshape(8, K)
     elif type_name == "Q6_K":  # per sub-block: its 8 low-plane bytes' low nibbles, then high ones
         b = lo.view(torch.uint8).long().reshape(8, -1, 1, 8)
         low = torch.cat([b & 15, b >> 4], 2).reshape(8, -1, 16)
@@ -115,7 +135,7 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS"])
 def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 2)
     seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
@@ -215,22 +235,26 @@ def _q8_0(rows: int, k: int) -> None:
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
-def _q6_k(rows: int, k: int) -> None:
-    """Q6_K at the rule's launch: two mma.sync per chunk of two sub-blocks and 16 tokens, no
-    spills, PDL; `_q6_k_codes` reads four consecutive operand positions a register, the first at
-    k % 4 == 0 (in the dot operand's layout, or a blocked one holding runs of 4, 8 or 16 along K)."""
+def _chunks(rows: int, k: int, type_name: str) -> None:
+    """Q6_K or IQ4_XS at the rule's launch: mma.sync per chunk of 32 values and 16 tokens (two for
+    Q6_K), no spills, PDL; the code assembly (`_q6_k_codes`, `_iq4_levels`) reads four
+    consecutive operand positions a register, the first at k % 4 == 0 (in the dot operand's
+    layout, or a blocked one holding runs of 4, 8 or 16 along K)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
-    cfg = ti8.i8_config("Q6_K", rows, k, 16)
+    cfg = ti8.i8_config(type_name, rows, k, 16)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
             "lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
-    ptx = compile_sm90(ti8._q6_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)) == 8 * 2 * 2 * 4
+    iq4 = type_name == "IQ4_XS"
+    constexprs = dict(IQ4=iq4, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    ptx = compile_sm90(ti8._chunk_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
+    dots = 8 * (1 if iq4 else 2)  # per step, each 2 x 4 m16n8k32 a warp (32 rows, 32 columns)
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)) == dots * 8
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
-    codes = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and "0x60606060" in line)
+    mark = "0x9D8C" if iq4 else "0x60606060"
+    codes = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and mark in line)
     layout = re.search(r"tensor<\d+x32xi8, #(\w+)>", codes).group(1)
     if layout.startswith("blocked"):
         blocked = re.search(rf"#{layout} = #ttg\.blocked<\{{sizePerThread = \[1, (\d+)\].*order = \[1, 0\]", ptx)
@@ -243,7 +267,8 @@ CASES = {
     "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
     "q5_k-gate_up": (_gemm, 28672, 4096, False, "Q5_K"), "q5_k-down": (_gemm, 4096, 14336, False, "Q5_K"),
     "q8_0-gate_up": (_q8_0, 28672, 4096), "q8_0-down": (_q8_0, 4096, 14336),
-    "q6_k-down": (_q6_k, 4096, 14336), "q6_k-head": (_q6_k, 128256, 4096),
+    "q6_k-down": (_chunks, 4096, 14336, "Q6_K"), "q6_k-head": (_chunks, 128256, 4096, "Q6_K"),
+    "iq4_xs-gate_up": (_chunks, 28672, 4096, "IQ4_XS"), "iq4_xs-down": (_chunks, 4096, 14336, "IQ4_XS"),
 }  # fmt: skip
 
 

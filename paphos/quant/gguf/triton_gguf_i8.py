@@ -1,7 +1,7 @@
 """GGUF's int8 tensor-core GEMMs for batched decode (2 to I8_MAX_TOKENS tokens a step) on the
 repacked planes (planes.py) of Q4_K, Q5_K and Q6_K (the bytes of Q4_K_M and Q5_K_M files: Q6_K
-holds attn_v and ffn_down of half the layers and the head) and Q8_0; the other types keep
-triton_gguf's fused kernel.
+holds attn_v and ffn_down of half the layers and the head), Q8_0 and IQ4_XS; the other types
+keep triton_gguf's fused kernel.
 
 Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
 segment of a supported type (`supports`); two launches per linear (x quantized once per type):
@@ -24,12 +24,16 @@ segment of a supported type (`supports`); two launches per linear (x quantized o
      - `_q8_0_kernel`: eight 32-value groups a step. The stored bytes are the int8 operand as
        they are (no unpacking); per group one K=32 dot, its two parts joined in int32 (254 D1 +
        D2, in registers), times the group's fp16 scale in float32; per step times dx / 254.
-     - `_q6_k_kernel`: eight chunks of two 16-value sub-blocks a step. A Q6_K value is d sc (q -
+     - `_chunk_kernel`, Q6_K: eight chunks of two 16-value sub-blocks a step. A Q6_K value is d sc (q -
        32), q 6 bits, sc a signed 8-bit scale per 16 values. The chunk's signed codes v = q - 32
        are one K=32 operand (`_q6_k_codes`: the low-plane nibbles joined with their 2 high bits,
        four codes a register), a second copy zeroes the first sub-block, and two dots give sc_a
        (v . x) + (sc_b - sc_a) (v_b . x) exactly in int32 over the super-block (an int8 MMA's K
        is at least 32: a sub-block alone is half of it); then d dx / 254 in float32.
+     - `_chunk_kernel`, IQ4_XS (IQ4): eight 32-value sub-blocks a step. A value is d sc L[q],
+       L the 16 non-uniform levels (IQ4_KVALUES, at most 127 in size), sc a signed 6-bit scale:
+       a low-plane word's 8 codes are two registers of levels (`_iq4_levels`: the codes are the
+       selector of byte permutes over the level tables), one dot a sub-block, sc D in int32.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
 
@@ -42,8 +46,8 @@ codes first (byte permutes for every operand register): 145.9 us against bf16's 
 H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
 wait on every dot): 250.5 against 170.2 on an H100.
 
-Q8_0, Q6_K and Q5_K are not yet measured on a GPU (no device was lent when they were written). Their
-launches come from the static count of benchmarks/int8_sass.py (sm_90 SASS of the K loop,
+Q8_0, Q6_K, Q5_K and IQ4_XS are not yet measured on a GPU (no device was lent when they were
+written). Their launches come from the static count of benchmarks/int8_sass.py (sm_90 SASS of the K loop,
 thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
 instructions per byte came to 9.8 and 9.7 TB/s x instr/B on an H100 for Q4_K's int8 kernel (8.6
 a byte, 1.14 TB/s on gate|up) and the fused kernel on Q8_0 (7.2 a byte, a layer in 170 us: 1.36
@@ -51,8 +55,9 @@ TB/s), 14.8 for the fused kernel on Q6_K's down projection (24.7 a byte, 80 us: 
 Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with wgmma on 4 warps,
 7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
 warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x); Q5_K: 11.2 on
-Q4_K's launch (wgmma), 36.6 fused (about 3x). The rule takes mma.sync for both; the first GPU run must confirm it
-(`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's
+Q4_K's launch (wgmma), 36.6 fused (about 3x); IQ4_XS: 10.0 with mma.sync, 11.7 with wgmma, 21.0
+fused (about 2x). The rule takes mma.sync where each small dot would wait under wgmma; the first
+GPU run must confirm it (`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's
 path (a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
 """
 
@@ -75,6 +80,9 @@ try:
 except ImportError:  # CPU-only installs: the torch reference (planes.reference_matmul) serves
     triton = None
 
+# IQ4_KVALUES as four int32 words of four int8 levels (level i: byte i % 4 of word i // 4), the
+# tables of `_iq4_levels`' byte permutes
+IQ4_TABLES = (0xBFAD9881, 0xF6EADDCF, 0x26190D01, 0x71594535)
 XB = 256  # K values per x block: one dx per token and block, the kernel's K step
 # Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS), in
 # tiles of 16 tokens (with 32 a tile ptxas spills). 17-32 tokens, two tiles, were not measured:
@@ -83,7 +91,7 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 I8_MAX_TOKENS = 32
 
 
-TYPES = ("Q4_K", "Q5_K", "Q8_0", "Q6_K")
+TYPES = ("Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS")
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -98,13 +106,16 @@ def stream_order(type_name: str) -> torch.Tensor:
     planes.py): codes 2b (low) and 2b + 1 (high) of word w. Q8_0: the 256 bytes as stored, byte
     4w + p of a 16-value tile group holding value p * 4 + w. Q6_K: per 16-value sub-block (two
     words of the low plane, T = 2), the low nibbles of its 8 bytes, then their high nibbles
-    (`_q6_k_codes`)."""
+    (`_q6_k_codes`). IQ4_XS: per 32-value sub-block (a tile group, T = 4) its words' 8 codes in
+    turn (`_iq4_levels`)."""
     j = torch.arange(XB)
     if type_name == "Q8_0":
         return j // 16 * 16 + j % 4 * 4 + j % 16 // 4
     if type_name == "Q6_K":
         sub, word, byte, high = j // 16, j % 8 // 4, j % 4, j % 16 // 8
         return sub * 16 + (2 * byte + high) * 2 + word
+    if type_name == "IQ4_XS":
+        return j // 32 * 32 + j % 8 * 4 + j % 32 // 8
     high, byte = j // 128, j % 128
     t = byte % 16
     return byte // 16 * 32 + (2 * (t % 4) + high) * 4 + t // 4
@@ -154,6 +165,31 @@ if triton is not None:
             lo = tl.where(((bits.to(tl.int32) >> b) & 1) != 0, s, 0)
             hi = tl.where(((bits.to(tl.int32) >> (b + 1)) & 1) != 0, s, 0)
             return lo.to(tl.int8), hi.to(tl.int8)
+
+    @triton.jit
+    def _iq4_levels(words, code_shift, ASM: tl.constexpr):
+        """IQ4 codes -> their levels (IQ4_KVALUES) as int8. words: per operand position, byte k % 4 of
+        the low-plane word holding its code (a word's 8 codes, code p at bits 4p), code_shift: 0
+        for codes 0-3 of the word, 16 for codes 4-7. GPU: four positions a register (the word
+        itself), their four codes the selector of two byte permutes (levels 0-7, levels 8-15) and
+        a third that turns each code's bit 3 into a byte mask choosing between them."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 w, i, a, b, y, m; and.b32 i, $2, 0xFF; shr.b32 w, $1, i; and.b32 i, w, 0x7777; "
+                "prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, i; prmt.b32 b, 0x26190D01, 0x71594535, i; shl.b32 y, w, 4; "
+                "prmt.b32 m, w, y, 0x9D8C; and.b32 b, b, m; not.b32 m, m; and.b32 a, a, m; or.b32 $0, a, b; }",
+                "=r,r,r", [words, code_shift], dtype=tl.int8, is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            byte = tl.arange(0, words.shape[1]) % 4
+            b = tl.reshape(words.to(tl.int32), (words.shape[0], words.shape[1] // 4, 4)) << (8 * tl.arange(0, 4))
+            word = tl.reshape(tl.broadcast_to(tl.sum(b, axis=2)[:, :, None], b.shape), words.shape)
+            code = (word >> (code_shift.to(tl.int32) + 4 * byte[None, :])) & 15
+            # the asm's tables (IQ4_TABLES): four levels a word, byte code % 4 of word code // 4
+            table = tl.where(code < 8, tl.where(code < 4, -1079142271, -152379953),
+                             tl.where(code < 12, 639175937, 1901675829))  # fmt: skip
+            lut = (((table >> (8 * (code % 4))) & 0xFF) ^ 0x80) - 0x80
+            return lut.to(tl.int8)
 
     @triton.jit
     def _q6_k_codes(lo, hi, nib_shift, hi_shift, second, ASM: tl.constexpr):
@@ -299,28 +335,38 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _q6_k_kernel(
+    def _chunk_kernel(
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, M, N, K, stride_om,
         iters_per_split,
-        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        IQ4: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
-        """`_q4_k_kernel`'s tiling for Q6_K (module docstring): per chunk of two 16-value sub-blocks
-        (16 low-plane bytes and 2 high-plane words a row) the signed codes as one K=32 operand and
-        again with the first sub-block zeroed, two dots, sc_a D + (sc_b - sc_a) D_b exact in int32
-        over the super-block; then times d dx in float32. lo_ptr, hi_ptr: the planes as bytes."""
+        """`_q4_k_kernel`'s tiling for the types with signed 8-bit scales per 16 or 32 values and an
+        fp16 d per super-block (module docstring), a K=32 chunk at a time, the scales applied to
+        the chunk's int32 dots and summed exactly over the super-block, then times d dx in
+        float32. Q6_K: two 16-value sub-blocks a chunk (16 low-plane bytes, 2 high-plane words a
+        row), the signed codes as one operand and again with the first sub-block zeroed, sc_a D +
+        (sc_b - sc_a) D_b. IQ4_XS (IQ4): one 32-value sub-block a chunk (4 low-plane words), the
+        codes' levels as the operand, sc D. lo_ptr, hi_ptr: the planes as bytes (hi unread for
+        IQ4_XS)."""
         rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
                                                                                 BM, 32, PDL)  # fmt: skip
         n_blocks = K // 256
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)
-        k = tl.arange(0, 32)  # a chunk's operand positions: sub-block k // 16, high nibble k // 8 % 2
-        second, high, word = k // 16, k // 8 % 2, k % 8 // 4
-        lo_rows = lo_ptr + r64[:, None] * (K // 2) + (second * 8 + k % 8)[None, :]
-        hi_rows = hi_ptr + r64[:, None] * (K // 4) + (second * 4 + k % 4)[None, :]
-        nib_shift = tl.broadcast_to((4 * high).to(tl.int8)[None, :], (BN, 32))
-        hi_shift = tl.broadcast_to((16 * word + 2 * high).to(tl.int8)[None, :], (BN, 32))
-        second_mask = tl.broadcast_to((-second).to(tl.int8)[None, :], (BN, 32))
-        sc_rows = sc_ptr + r64 * (K // 16)
+        k = tl.arange(0, 32)  # a chunk's operand positions
+        if IQ4:  # word k // 8, its codes 4 (k % 8 // 4) .. + 3: the word again for the second four
+            lo_rows = lo_ptr + r64[:, None] * (K // 2) + (k // 8 * 4 + k % 4)[None, :]
+            code_shift = tl.broadcast_to((16 * (k % 8 // 4)).to(tl.int8)[None, :], (BN, 32))
+            sc_rows = sc_ptr + r64 * (K // 32)
+        else:  # Q6_K: sub-block k // 16, high nibble k // 8 % 2
+            second, high, word = k // 16, k // 8 % 2, k % 8 // 4
+            lo_rows = lo_ptr + r64[:, None] * (K // 2) + (second * 8 + k % 8)[None, :]
+            hi_rows = hi_ptr + r64[:, None] * (K // 4) + (second * 4 + k % 4)[None, :]
+            nib_shift = tl.broadcast_to((4 * high).to(tl.int8)[None, :], (BN, 32))
+            hi_shift = tl.broadcast_to((16 * word + 2 * high).to(tl.int8)[None, :], (BN, 32))
+            second_mask = tl.broadcast_to((-second).to(tl.int8)[None, :], (BN, 32))
+            sc_rows = sc_ptr + r64 * (K // 16)
         part_w = tl.where(first, 1.0, 1.0 / 254.0)
         acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
         for it in range(it0, it1):
@@ -329,13 +375,17 @@ if triton is not None:
             step = tl.zeros((BN, 2 * BM), dtype=tl.int32)
             for c in tl.static_range(8):
                 lo = tl.load(lo_rows + it * 128 + c * 16, mask=row_ok[:, None], other=0)
-                hw = tl.load(hi_rows + it * 64 + c * 8, mask=row_ok[:, None], other=0)
-                sc_a = tl.load(sc_rows + it * 16 + 2 * c, mask=row_ok, other=0).to(tl.int32)
-                sc_b = tl.load(sc_rows + it * 16 + 2 * c + 1, mask=row_ok, other=0).to(tl.int32)
-                v, v_b = _q6_k_codes(lo, hw, nib_shift, hi_shift, second_mask, ASM)
                 xb = tl.load(x_cols + it * 256 + c * 32, mask=x_ok, other=0)
-                step += sc_a[:, None] * tl.dot(v, xb, out_dtype=tl.int32)
-                step += (sc_b - sc_a)[:, None] * tl.dot(v_b, xb, out_dtype=tl.int32)
+                if IQ4:
+                    sc = tl.load(sc_rows + it * 8 + c, mask=row_ok, other=0).to(tl.int32)
+                    step += sc[:, None] * tl.dot(_iq4_levels(lo, code_shift, ASM), xb, out_dtype=tl.int32)
+                else:
+                    hw = tl.load(hi_rows + it * 64 + c * 8, mask=row_ok[:, None], other=0)
+                    sc_a = tl.load(sc_rows + it * 16 + 2 * c, mask=row_ok, other=0).to(tl.int32)
+                    sc_b = tl.load(sc_rows + it * 16 + 2 * c + 1, mask=row_ok, other=0).to(tl.int32)
+                    v, v_b = _q6_k_codes(lo, hw, nib_shift, hi_shift, second_mask, ASM)
+                    step += sc_a[:, None] * tl.dot(v, xb, out_dtype=tl.int32)
+                    step += (sc_b - sc_a)[:, None] * tl.dot(v_b, xb, out_dtype=tl.int32)
             acc += step.to(tl.float32) * dd[:, None] * dx[None, :]
         _store(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
                SPLIT, ASM)  # fmt: skip
@@ -355,9 +405,9 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks
     (q|k 2 slices, o and down 4). Q4_K on 4 warps (wgmma, the rule the H200 sweep's winners
     follow; 32 rows with 2 warps, mma.sync, came 1.2-1.4x slower and spill under triton 3.6);
-    Q8_0 and Q6_K on 2 warps (mma.sync: no wait after each small dot, the fewest instructions a
-    byte in the module docstring's count; not yet measured on a GPU). A per-shape entry of
-    TUNED_CONFIGS wins."""
+    Q5_K as Q4_K; Q8_0, Q6_K and IQ4_XS on 2 warps (mma.sync: no wait after each small dot, the
+    fewest instructions a byte in the module docstring's count; not yet measured on a GPU). A
+    per-shape entry of TUNED_CONFIGS wins."""
     bm = 16
     tuned = TUNED_CONFIGS.get((type_name, rows, k, bm))
     if tuned is not None:
@@ -372,7 +422,8 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
 
 def quantize_x(x: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> the (parts, dx, sums) of x_blocks in `type_name`'s stream order; the kernels
-    read the parts and dx (Q4_K's minimum has its own dot, Q8_0 has none: the sums go unread)."""
+    read the parts and dx (the K-quants' minimum has its own dot, the other types have none: the
+    sums go unread)."""
     order = x_blocks.device_order(type_name, x.device, lambda: stream_order(type_name))
     return x_blocks.quantize(x, order, XB, XB)
 
@@ -394,8 +445,10 @@ def matmul_into(
     extra: dict[str, bool] = {}
     if seg.type_name == "Q8_0":
         kernel, planes = _q8_0_kernel, (p["lo"], p["sc"])
-    elif seg.type_name == "Q6_K":
-        kernel, planes = _q6_k_kernel, (p["lo"].view(torch.uint8), p["hi"].view(torch.uint8), p["sc"], p["sd"])
+    elif seg.type_name in ("Q6_K", "IQ4_XS"):
+        lo = p["lo"].view(torch.uint8)
+        kernel, planes = _chunk_kernel, (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"], p["sd"])
+        extra["IQ4"] = seg.type_name == "IQ4_XS"
     else:
         lo = p["lo"].view(torch.uint8)
         kernel, planes = _q4_k_kernel, (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"], p["sd"], p["mn"],
