@@ -1,4 +1,4 @@
-"""GGUF's int8 tensor-core path for Q4_K, Q5_K, Q8_0, Q6_K and IQ4_XS
+"""GGUF's int8 tensor-core path for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_NL and IQ4_XS
 (paphos/quant/gguf/triton_gguf_i8.py).
 
 - `stream_order` is the order of the codes in each type's kernel operands, read from repacked
@@ -6,7 +6,7 @@
   each with its fifth bit; Q8_0: the stored bytes; Q6_K: per sub-block its low-plane bytes' low
   nibbles, then high, each with its 2 high-plane bits; IQ4_XS: each word's 8 codes in turn);
   x_blocks.quantize writes x in that order, bit for bit its torch reference, within half a step
-  of dx / 254. IQ4_XS's byte-permute tables are its levels.
+  of dx / 254 (Q4_0 and IQ4_NL as IQ4_XS). IQ4's byte-permute tables are its levels.
 - Each type's GEMM under the interpreter against dequantize-then-float32-matmul
   (planes.reference_matmul) within 1e-4 of max|ref| (x's quantization; the integer sums are
   exact), at 2, 9, 16 and 29 tokens (two token tiles), one and several K slices, masked rows and
@@ -16,8 +16,8 @@
 - The kernels compile for sm_90 with both tritons in the rules' launches, no spills, PDL: Q4_K
   with wgmma and the codes in registers, the scale multiplication in the dot operand's layout
   (four codes of one sub-block per register; a 32-row mma.sync program keeps it), Q5_K's fifth
-  bits likewise; Q8_0, Q6_K and IQ4_XS with mma.sync, Q6_K's and IQ4_XS's code assembly on runs
-  of four operand positions.
+  bits likewise; the others with mma.sync, their code assembly on runs of four operand
+  positions.
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_supports() -> None:
-    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS"))
+    types = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "IQ4_XS")
+    assert all(supports(t, 4096) and supports(t, 14336) for t in types)
     assert not supports("Q4_K", 4096 + 128) and not supports("Q8_0", 4096 + 32)  # a partial x block
-    assert not any(supports(t, 4096) for t in ("Q4_0", "Q5_0", "Q3_K", "IQ4_NL"))
+    assert not any(supports(t, 4096) for t in ("Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q2_K"))
 
 
 def test_iq4_tables_are_the_levels() -> None:
-    """`_iq4_levels`' byte-permute tables hold IQ4_KVALUES (level i: byte i % 4 of word i // 4), the
+    """`_nibble_values`' byte-permute tables hold IQ4_KVALUES (level i: byte i % 4 of word i // 4), the
     asm spells them as these words, and the interpreter path as their int32 values."""
     import inspect
 
@@ -80,12 +81,12 @@ def test_iq4_tables_are_the_levels() -> None:
 
     levels = torch.tensor(IQ4_TABLES, dtype=torch.int64)[:, None] >> (8 * torch.arange(4)) & 0xFF
     assert torch.equal((levels ^ 0x80) - 0x80, torch.tensor(IQ4_KVALUES).reshape(4, 4))
-    source = inspect.getsource(ti8._iq4_levels.fn)
+    source = inspect.getsource(ti8._nibble_values.fn)
     for word in IQ4_TABLES:
         assert f"0x{word:08X}" in source and str(word - (1 << 32) if word >= 1 << 31 else word) in source
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0", "IQ4_NL"])
 def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     raw = _raw(type_name, 8, K, 1)
     fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size(type_name)), type_name)
@@ -96,7 +97,7 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     lo = packed["lo"].contiguous()
     if type_name == "Q8_0":  # the stored bytes, as the kernel loads them
         operands = lo.long()
-    elif type_name == "IQ4_XS":  # each word's 8 codes in turn (code p at bits 4p)
+    elif type_name in ("IQ4_XS", "Q4_0", "IQ4_NL"):  # each word's 8 codes in turn (code p at bits 4p)
         operands = ((lo.long().reshape(8, -1, 1) & 0xFFFFFFFF) >> (4 * torch.arange(8)) & 15).reshape(8, K)
     elif type_name == "Q6_K":  # per sub-block: its 8 low-plane bytes' low nibbles, then high ones
         b = lo.view(torch.uint8).long().reshape(8, -1, 1, 8)
@@ -135,7 +136,7 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0", "IQ4_NL"])
 def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 2)
     seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
@@ -152,10 +153,10 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A layer of Q4_K, Q6_K, Q4_0 and Q8_0 segments (a Q4_K_M q|k|v with v in the middle, a Q4_0
-    and a Q8_0 one): Q4_K, Q6_K and Q8_0 take the int8 path with x quantized once per type, Q4_0
+    """A layer of Q4_K, Q6_K, Q5_0 and Q8_0 segments (a Q4_K_M q|k|v with v in the middle, a Q5_0
+    and a Q8_0 one): Q4_K, Q6_K and Q8_0 take the int8 path with x quantized once per type, Q5_0
     the fused kernel; one token stays on the GEMV, I8_MAX_TOKENS + 1 leaves the path."""
-    types, rows = ("Q4_K", "Q6_K", "Q4_0", "Q8_0"), (32, 16, 8, 24)
+    types, rows = ("Q4_K", "Q6_K", "Q5_0", "Q8_0"), (32, 16, 8, 24)
     raws = [_raw(t, r, K, 7 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
     segs, start = [], 0
     for t, raw in zip(types, raws, strict=True):
@@ -216,28 +217,43 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K") ->
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
-def _q8_0(rows: int, k: int) -> None:
-    """Q8_0 at the rule's launch: an mma.sync per 32-value group and 16 tokens (the stored bytes
-    need no unpacking: both operands through shared memory), the two x parts joined in int32 in
-    registers (no shuffles, no shared-memory round trip), no spills, PDL."""
+def _groups(rows: int, k: int, type_name: str) -> None:
+    """Q8_0, Q4_0 or IQ4_NL at the rule's launch: an mma.sync per 32-value group and 16 tokens, the
+    two x parts joined in int32 in registers (no shuffles), no spills, PDL; Q4_0's and IQ4_NL's
+    `_nibble_values` on runs of four operand positions (as `_chunks` checks)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
-    cfg = ti8.i8_config("Q8_0", rows, k, 16)
+    cfg = ti8.i8_config(type_name, rows, k, 16)
+    nib = ti8._GROUP_TYPES[type_name]
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-            "w_ptr": "*i8", "d_ptr": "*fp16"}  # fmt: skip
+            "w_ptr": "*u8" if nib else "*i8", "d_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
-    ptx = compile_sm90(ti8._q8_0_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+    constexprs = dict(NIB=nib, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    ptx = compile_sm90(ti8._group_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
     # 8 groups a step, 32 rows and 32 columns a warp: 2 x 4 m16n8k32 each
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)) == 8 * 2 * 4
     assert "shfl" not in ptx and "wgmma" not in ptx
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
+    if nib:
+        _four_positions_a_register(ptx, "0x9D8C" if nib == 2 else "0x5140")
+
+
+def _four_positions_a_register(ptx: str, mark: str) -> None:
+    """The asm holding `mark` runs on tensors whose registers hold four consecutive K positions,
+    the first at k % 4 == 0: the dot operand's layout, or a blocked one with runs of 4, 8 or 16."""
+    codes = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and mark in line)
+    layout = re.search(r"tensor<\d+x32xi8, #(\w+)>", codes).group(1)
+    if layout.startswith("blocked"):
+        blocked = re.search(rf"#{layout} = #ttg\.blocked<\{{sizePerThread = \[1, (\d+)\].*order = \[1, 0\]", ptx)
+        assert blocked and int(blocked.group(1)) % 4 == 0, codes
+    else:
+        assert re.search(r"#ttg\.dot_op<\{opIdx = 0, parent = #mma, kWidth = (4|8|16)\}>", codes), codes
 
 
 def _chunks(rows: int, k: int, type_name: str) -> None:
     """Q6_K or IQ4_XS at the rule's launch: mma.sync per chunk of 32 values and 16 tokens (two for
-    Q6_K), no spills, PDL; the code assembly (`_q6_k_codes`, `_iq4_levels`) reads four
+    Q6_K), no spills, PDL; the code assembly (`_q6_k_codes`, `_nibble_values`) reads four
     consecutive operand positions a register, the first at k % 4 == 0 (in the dot operand's
     layout, or a blocked one holding runs of 4, 8 or 16 along K)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
@@ -253,20 +269,14 @@ def _chunks(rows: int, k: int, type_name: str) -> None:
     dots = 8 * (1 if iq4 else 2)  # per step, each 2 x 4 m16n8k32 a warp (32 rows, 32 columns)
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)) == dots * 8
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
-    mark = "0x9D8C" if iq4 else "0x60606060"
-    codes = next(line for line in ptx.splitlines() if "elementwise_inline_asm" in line and mark in line)
-    layout = re.search(r"tensor<\d+x32xi8, #(\w+)>", codes).group(1)
-    if layout.startswith("blocked"):
-        blocked = re.search(rf"#{layout} = #ttg\.blocked<\{{sizePerThread = \[1, (\d+)\].*order = \[1, 0\]", ptx)
-        assert blocked and int(blocked.group(1)) % 4 == 0, codes
-    else:
-        assert re.search(r"#ttg\.dot_op<\{opIdx = 0, parent = #mma, kWidth = (4|8|16)\}>", codes), codes
+    _four_positions_a_register(ptx, "0x9D8C" if iq4 else "0x60606060")
 
 
 CASES = {
     "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
     "q5_k-gate_up": (_gemm, 28672, 4096, False, "Q5_K"), "q5_k-down": (_gemm, 4096, 14336, False, "Q5_K"),
-    "q8_0-gate_up": (_q8_0, 28672, 4096), "q8_0-down": (_q8_0, 4096, 14336),
+    "q8_0-gate_up": (_groups, 28672, 4096, "Q8_0"), "q8_0-down": (_groups, 4096, 14336, "Q8_0"),
+    "q4_0-gate_up": (_groups, 28672, 4096, "Q4_0"), "iq4_nl-down": (_groups, 4096, 14336, "IQ4_NL"),
     "q6_k-down": (_chunks, 4096, 14336, "Q6_K"), "q6_k-head": (_chunks, 128256, 4096, "Q6_K"),
     "iq4_xs-gate_up": (_chunks, 28672, 4096, "IQ4_XS"), "iq4_xs-down": (_chunks, 4096, 14336, "IQ4_XS"),
 }  # fmt: skip

@@ -1,7 +1,8 @@
 """GGUF's int8 tensor-core GEMMs for batched decode (2 to I8_MAX_TOKENS tokens a step) on the
 repacked planes (planes.py) of Q4_K, Q5_K and Q6_K (the bytes of Q4_K_M and Q5_K_M files: Q6_K
-holds attn_v and ffn_down of half the layers and the head), Q8_0 and IQ4_XS; the other types
-keep triton_gguf's fused kernel.
+holds attn_v and ffn_down of half the layers and the head), Q8_0, Q4_0 (Gemma's QAT files),
+IQ4_NL and IQ4_XS; the other types (Q4_1, Q5_0, Q5_1, Q3_K, Q2_K) keep triton_gguf's fused
+kernel.
 
 Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
 segment of a supported type (`supports`); two launches per linear (x quantized once per type):
@@ -21,9 +22,11 @@ segment of a supported type (`supports`); two launches per linear (x quantized o
        dx / 254, the parts summed at the end. Q5_K (FIVE) is Q4_K with a fifth bit per code:
        sc (q + 16 b) = sc q + 16 (sc b), and sc b (at most 63) is one more int8 operand pair
        (`_fifth_bits`: the bits spread to bytes by one multiplication, times sc by another).
-     - `_q8_0_kernel`: eight 32-value groups a step. The stored bytes are the int8 operand as
-       they are (no unpacking); per group one K=32 dot, its two parts joined in int32 (254 D1 +
-       D2, in registers), times the group's fp16 scale in float32; per step times dx / 254.
+     - `_group_kernel`: eight 32-value groups a step, each with an fp16 scale. Q8_0: the stored
+       bytes are the int8 operand as they are (no unpacking); Q4_0 (code - 8) and IQ4_NL (the
+       IQ4 levels): the group's 4 low-plane words make it (`_nibble_values`). Per group one K=32
+       dot, its two parts joined in int32 (254 D1 + D2, in registers), times the scale in
+       float32; per step times dx / 254.
      - `_chunk_kernel`, Q6_K: eight chunks of two 16-value sub-blocks a step. A Q6_K value is d sc (q -
        32), q 6 bits, sc a signed 8-bit scale per 16 values. The chunk's signed codes v = q - 32
        are one K=32 operand (`_q6_k_codes`: the low-plane nibbles joined with their 2 high bits,
@@ -32,7 +35,7 @@ segment of a supported type (`supports`); two launches per linear (x quantized o
        is at least 32: a sub-block alone is half of it); then d dx / 254 in float32.
      - `_chunk_kernel`, IQ4_XS (IQ4): eight 32-value sub-blocks a step. A value is d sc L[q],
        L the 16 non-uniform levels (IQ4_KVALUES, at most 127 in size), sc a signed 6-bit scale:
-       a low-plane word's 8 codes are two registers of levels (`_iq4_levels`: the codes are the
+       a low-plane word's 8 codes are two registers of levels (`_nibble_values`: the codes are the
        selector of byte permutes over the level tables), one dot a sub-block, sc D in int32.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
@@ -46,8 +49,8 @@ codes first (byte permutes for every operand register): 145.9 us against bf16's 
 H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
 wait on every dot): 250.5 against 170.2 on an H100.
 
-Q8_0, Q6_K, Q5_K and IQ4_XS are not yet measured on a GPU (no device was lent when they were
-written). Their launches come from the static count of benchmarks/int8_sass.py (sm_90 SASS of the K loop,
+Q8_0, Q6_K, Q5_K, IQ4_XS, Q4_0 and IQ4_NL are not yet measured on a GPU (no device was lent when
+they were written). Their launches come from the static count of benchmarks/int8_sass.py (sm_90 SASS of the K loop,
 thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
 instructions per byte came to 9.8 and 9.7 TB/s x instr/B on an H100 for Q4_K's int8 kernel (8.6
 a byte, 1.14 TB/s on gate|up) and the fused kernel on Q8_0 (7.2 a byte, a layer in 170 us: 1.36
@@ -56,7 +59,7 @@ Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with w
 7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
 warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x); Q5_K: 11.2 on
 Q4_K's launch (wgmma), 36.6 fused (about 3x); IQ4_XS: 10.0 with mma.sync, 11.7 with wgmma, 21.0
-fused (about 2x). The rule takes mma.sync where each small dot would wait under wgmma; the first
+fused (about 2x); Q4_0 9.5 against 18.9, IQ4_NL 10.7 against 16.3 (mma.sync). The rule takes mma.sync where each small dot would wait under wgmma; the first
 GPU run must confirm it (`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's
 path (a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
 """
@@ -81,7 +84,7 @@ except ImportError:  # CPU-only installs: the torch reference (planes.reference_
     triton = None
 
 # IQ4_KVALUES as four int32 words of four int8 levels (level i: byte i % 4 of word i // 4), the
-# tables of `_iq4_levels`' byte permutes
+# tables of `_nibble_values`' byte permutes
 IQ4_TABLES = (0xBFAD9881, 0xF6EADDCF, 0x26190D01, 0x71594535)
 XB = 256  # K values per x block: one dx per token and block, the kernel's K step
 # Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS), in
@@ -91,7 +94,8 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 I8_MAX_TOKENS = 32
 
 
-TYPES = ("Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS")
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "IQ4_XS")
+_GROUP_TYPES = {"Q8_0": 0, "Q4_0": 1, "IQ4_NL": 2}  # `_group_kernel`'s NIB
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -106,15 +110,15 @@ def stream_order(type_name: str) -> torch.Tensor:
     planes.py): codes 2b (low) and 2b + 1 (high) of word w. Q8_0: the 256 bytes as stored, byte
     4w + p of a 16-value tile group holding value p * 4 + w. Q6_K: per 16-value sub-block (two
     words of the low plane, T = 2), the low nibbles of its 8 bytes, then their high nibbles
-    (`_q6_k_codes`). IQ4_XS: per 32-value sub-block (a tile group, T = 4) its words' 8 codes in
-    turn (`_iq4_levels`)."""
+    (`_q6_k_codes`). IQ4_XS, Q4_0, IQ4_NL: per 32-value group (a tile group, T = 4) its words' 8
+    codes in turn (`_nibble_values`)."""
     j = torch.arange(XB)
     if type_name == "Q8_0":
         return j // 16 * 16 + j % 4 * 4 + j % 16 // 4
     if type_name == "Q6_K":
         sub, word, byte, high = j // 16, j % 8 // 4, j % 4, j % 16 // 8
         return sub * 16 + (2 * byte + high) * 2 + word
-    if type_name == "IQ4_XS":
+    if type_name in ("IQ4_XS", "Q4_0", "IQ4_NL"):
         return j // 32 * 32 + j % 8 * 4 + j % 32 // 8
     high, byte = j // 128, j % 128
     t = byte % 16
@@ -167,29 +171,40 @@ if triton is not None:
             return lo.to(tl.int8), hi.to(tl.int8)
 
     @triton.jit
-    def _iq4_levels(words, code_shift, ASM: tl.constexpr):
-        """IQ4 codes -> their levels (IQ4_KVALUES) as int8. words: per operand position, byte k % 4 of
-        the low-plane word holding its code (a word's 8 codes, code p at bits 4p), code_shift: 0
-        for codes 0-3 of the word, 16 for codes 4-7. GPU: four positions a register (the word
-        itself), their four codes the selector of two byte permutes (levels 0-7, levels 8-15) and
-        a third that turns each code's bit 3 into a byte mask choosing between them."""
+    def _nibble_values(words, code_shift, IQ4: tl.constexpr, ASM: tl.constexpr):
+        """4-bit codes -> their values as int8: IQ4's levels (IQ4_KVALUES), else code - 8 (Q4_0).
+        words: per operand position, byte k % 4 of the low-plane word holding its code (a word's 8
+        codes, code p at bits 4p), code_shift: 0 for codes 0-3 of the word, 16 for codes 4-7. GPU:
+        four positions a register (the word itself). IQ4: their four codes are the selector of two
+        byte permutes (levels 0-7, levels 8-15) and a third turns each code's bit 3 into a byte
+        mask choosing between them; Q4_0: a byte permute spreads the four nibbles to bytes and 8
+        comes off with no carry between bytes ((q + 0x78) ^ 0x80)."""
         if ASM:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 w, i, a, b, y, m; and.b32 i, $2, 0xFF; shr.b32 w, $1, i; and.b32 i, w, 0x7777; "
-                "prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, i; prmt.b32 b, 0x26190D01, 0x71594535, i; shl.b32 y, w, 4; "
-                "prmt.b32 m, w, y, 0x9D8C; and.b32 b, b, m; not.b32 m, m; and.b32 a, a, m; or.b32 $0, a, b; }",
-                "=r,r,r", [words, code_shift], dtype=tl.int8, is_pure=True, pack=4,
-            )  # fmt: skip
+            if IQ4:
+                body: tl.constexpr = (
+                    "{ .reg .b32 w, i, a, b, y, m; and.b32 i, $2, 0xFF; shr.b32 w, $1, i; and.b32 i, w, 0x7777; "
+                    "prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, i; prmt.b32 b, 0x26190D01, 0x71594535, i; shl.b32 y, w, 4; "
+                    "prmt.b32 m, w, y, 0x9D8C; and.b32 b, b, m; not.b32 m, m; and.b32 a, a, m; or.b32 $0, a, b; }"
+                )  # fmt: skip
+            else:
+                body: tl.constexpr = (
+                    "{ .reg .b32 w, y, t; and.b32 t, $2, 0xFF; shr.b32 w, $1, t; shr.b32 y, w, 4; "
+                    "prmt.b32 t, w, y, 0x5140; and.b32 t, t, 0x0F0F0F0F; add.u32 t, t, 0x78787878; "
+                    "xor.b32 $0, t, 0x80808080; }"
+                )  # fmt: skip
+            return tl.inline_asm_elementwise(body, "=r,r,r", [words, code_shift], dtype=tl.int8, is_pure=True, pack=4)
         else:
             byte = tl.arange(0, words.shape[1]) % 4
             b = tl.reshape(words.to(tl.int32), (words.shape[0], words.shape[1] // 4, 4)) << (8 * tl.arange(0, 4))
             word = tl.reshape(tl.broadcast_to(tl.sum(b, axis=2)[:, :, None], b.shape), words.shape)
             code = (word >> (code_shift.to(tl.int32) + 4 * byte[None, :])) & 15
-            # the asm's tables (IQ4_TABLES): four levels a word, byte code % 4 of word code // 4
-            table = tl.where(code < 8, tl.where(code < 4, -1079142271, -152379953),
-                             tl.where(code < 12, 639175937, 1901675829))  # fmt: skip
-            lut = (((table >> (8 * (code % 4))) & 0xFF) ^ 0x80) - 0x80
-            return lut.to(tl.int8)
+            if IQ4:
+                # the asm's tables (IQ4_TABLES): four levels a word, byte code % 4 of word code // 4
+                table = tl.where(code < 8, tl.where(code < 4, -1079142271, -152379953),
+                                 tl.where(code < 12, 639175937, 1901675829))  # fmt: skip
+                return ((((table >> (8 * (code % 4))) & 0xFF) ^ 0x80) - 0x80).to(tl.int8)
+            else:
+                return (code - 8).to(tl.int8)
 
     @triton.jit
     def _q6_k_codes(lo, hi, nib_shift, hi_shift, second, ASM: tl.constexpr):
@@ -302,19 +317,27 @@ if triton is not None:
                SPLIT, ASM)  # fmt: skip
 
     @triton.jit
-    def _q8_0_kernel(
+    def _group_kernel(
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, d_ptr, M, N, K, stride_om, iters_per_split,
-        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        NIB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
-        """`_q4_k_kernel`'s tiling for Q8_0 (module docstring): per 32-value group one K=32 int8 dot
-        of the stored bytes, its int32 result times the group's fp16 scale d in float32; per
-        x block of 256 values the sum times dx. w_ptr: the int8 code plane, d_ptr: the scales."""
+        """`_q4_k_kernel`'s tiling for the types with an fp16 scale d per 32-value group (module
+        docstring): per group one K=32 int8 dot, its two parts joined in int32, times d in float32;
+        per x block of 256 values the sum times dx. NIB 0 (Q8_0): the stored int8 bytes are the
+        operand, w_ptr the code plane; 1 (Q4_0: code - 8) or 2 (IQ4_NL: levels): the group's 4
+        low-plane words (bytes at w_ptr) give its 32 values (`_nibble_values`). d_ptr: the scales."""
         rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
                                                                                 BM, 32, PDL)  # fmt: skip
         n_blocks = K // 256
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)
-        w_rows = w_ptr + r64[:, None] * K + tl.arange(0, 32)[None, :]
+        k = tl.arange(0, 32)
+        if NIB == 0:
+            w_rows = w_ptr + r64[:, None] * K + k[None, :]
+        else:  # word k // 8, its codes 4 (k % 8 // 4) .. + 3: the word again for the second four
+            w_rows = w_ptr + r64[:, None] * (K // 2) + (k // 8 * 4 + k % 4)[None, :]
+            code_shift = tl.broadcast_to((16 * (k % 8 // 4)).to(tl.int8)[None, :], (BN, 32))
         d_rows = d_ptr + r64 * (K // 32)
         part_w = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2: x / dx * 254
         acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -324,9 +347,13 @@ if triton is not None:
             for c in tl.static_range(8):
                 g = it * 8 + c
                 d = tl.load(d_rows + g, mask=row_ok, other=0).to(tl.float32)
-                wb = tl.load(w_rows + g * 32, mask=row_ok[:, None], other=0)
+                if NIB == 0:
+                    wv = tl.load(w_rows + g * 32, mask=row_ok[:, None], other=0)
+                else:
+                    wv = _nibble_values(tl.load(w_rows + g * 16, mask=row_ok[:, None], other=0), code_shift, NIB == 2,
+                                        ASM)  # fmt: skip
                 xb = tl.load(x_cols + g * 32, mask=x_ok, other=0)
-                dot = x_blocks.sum_parts(tl.dot(wb, xb, out_dtype=tl.int32) * part_w[None, :], BN, BM)
+                dot = x_blocks.sum_parts(tl.dot(wv, xb, out_dtype=tl.int32) * part_w[None, :], BN, BM)
                 step += dot.to(tl.float32) * d[:, None]
             acc += step * dx[None, :]
         _store(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, SPLIT, ASM)
@@ -378,7 +405,7 @@ if triton is not None:
                 xb = tl.load(x_cols + it * 256 + c * 32, mask=x_ok, other=0)
                 if IQ4:
                     sc = tl.load(sc_rows + it * 8 + c, mask=row_ok, other=0).to(tl.int32)
-                    step += sc[:, None] * tl.dot(_iq4_levels(lo, code_shift, ASM), xb, out_dtype=tl.int32)
+                    step += sc[:, None] * tl.dot(_nibble_values(lo, code_shift, True, ASM), xb, out_dtype=tl.int32)
                 else:
                     hw = tl.load(hi_rows + it * 64 + c * 8, mask=row_ok[:, None], other=0)
                     sc_a = tl.load(sc_rows + it * 16 + 2 * c, mask=row_ok, other=0).to(tl.int32)
@@ -405,7 +432,7 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks
     (q|k 2 slices, o and down 4). Q4_K on 4 warps (wgmma, the rule the H200 sweep's winners
     follow; 32 rows with 2 warps, mma.sync, came 1.2-1.4x slower and spill under triton 3.6);
-    Q5_K as Q4_K; Q8_0, Q6_K and IQ4_XS on 2 warps (mma.sync: no wait after each small dot, the
+    Q5_K as Q4_K; the others on 2 warps (mma.sync: no wait after each small dot, the
     fewest instructions a byte in the module docstring's count; not yet measured on a GPU). A
     per-shape entry of TUNED_CONFIGS wins."""
     bm = 16
@@ -443,8 +470,9 @@ def matmul_into(
     cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     p = seg.planes
     extra: dict[str, bool] = {}
-    if seg.type_name == "Q8_0":
-        kernel, planes = _q8_0_kernel, (p["lo"], p["sc"])
+    if seg.type_name in _GROUP_TYPES:
+        kernel, planes = _group_kernel, (p["lo"] if seg.type_name == "Q8_0" else p["lo"].view(torch.uint8), p["sc"])
+        extra["NIB"] = _GROUP_TYPES[seg.type_name]
     elif seg.type_name in ("Q6_K", "IQ4_XS"):
         lo = p["lo"].view(torch.uint8)
         kernel, planes = _chunk_kernel, (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"], p["sd"])
