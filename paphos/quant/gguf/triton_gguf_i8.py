@@ -27,12 +27,12 @@ segment of a supported type (`supports`); two launches per linear (x quantized o
        IQ4 levels): the group's 4 low-plane words make it (`_nibble_values`). Per group one K=32
        dot, its two parts joined in int32 (254 D1 + D2, in registers), times the scale in
        float32; per step times dx / 254.
-     - `_chunk_kernel`, Q6_K: eight chunks of two 16-value sub-blocks a step. A Q6_K value is d sc (q -
-       32), q 6 bits, sc a signed 8-bit scale per 16 values. The chunk's signed codes v = q - 32
-       are one K=32 operand (`_q6_k_codes`: the low-plane nibbles joined with their 2 high bits,
-       four codes a register), a second copy zeroes the first sub-block, and two dots give sc_a
-       (v . x) + (sc_b - sc_a) (v_b . x) exactly in int32 over the super-block (an int8 MMA's K
-       is at least 32: a sub-block alone is half of it); then d dx / 254 in float32.
+     - `_chunk_kernel`, Q6_K: eight chunks of two 16-value sub-blocks a step. A Q6_K value is
+       d sc (q - 32), q 6 bits, sc a signed 8-bit scale per 16 values. The chunk's signed codes
+       v = q - 32 are one K=32 operand (`_q6_k_codes`: the low-plane nibbles joined with their
+       2 high bits, four codes a register), a second copy zeroes the first sub-block, and two
+       dots give sc_a (v . x) + (sc_b - sc_a) (v_b . x) exactly in int32 over the super-block (an
+       int8 MMA's K is at least 32: a sub-block alone is half of it); then d dx / 254 in float32.
      - `_chunk_kernel`, IQ4_XS (IQ4): eight 32-value sub-blocks a step. A value is d sc L[q],
        L the 16 non-uniform levels (IQ4_KVALUES, at most 127 in size), sc a signed 6-bit scale:
        a low-plane word's 8 codes are two registers of levels (`_nibble_values`: the codes are the
@@ -50,8 +50,8 @@ H200; one K=32 dot per sub-block with its scale applied to the int32 result befo
 wait on every dot): 250.5 against 170.2 on an H100.
 
 Q8_0, Q6_K, Q5_K, IQ4_XS, Q4_0 and IQ4_NL are not yet measured on a GPU (no device was lent when
-they were written). Their launches come from the static count of benchmarks/int8_sass.py (sm_90 SASS of the K loop,
-thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
+they were written). Their launches come from the static count of benchmarks/int8_sass.py (sm_90
+SASS of the K loop, thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
 instructions per byte came to 9.8 and 9.7 TB/s x instr/B on an H100 for Q4_K's int8 kernel (8.6
 a byte, 1.14 TB/s on gate|up) and the fused kernel on Q8_0 (7.2 a byte, a layer in 170 us: 1.36
 TB/s), 14.8 for the fused kernel on Q6_K's down projection (24.7 a byte, 80 us: 0.6 TB/s).
@@ -59,9 +59,10 @@ Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with w
 7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
 warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x); Q5_K: 11.2 on
 Q4_K's launch (wgmma), 36.6 fused (about 3x); IQ4_XS: 10.0 with mma.sync, 11.7 with wgmma, 21.0
-fused (about 2x); Q4_0 9.5 against 18.9, IQ4_NL 10.7 against 16.3 (mma.sync). The rule takes mma.sync where each small dot would wait under wgmma; the first
-GPU run must confirm it (`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's
-path (a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
+fused (about 2x); Q4_0 9.5 against 18.9, IQ4_NL 10.7 against 16.3 (mma.sync). The rule takes
+mma.sync where each small dot would wait under wgmma; the first GPU run must confirm it
+(`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's path
+(a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
 """
 
 from __future__ import annotations
@@ -92,7 +93,6 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 # at most twice the 16-token time (H100: 259 us for a layer's Q4_K linears), below the fused
 # kernel's 340 us at 32 tokens; at 64, four tiles' 518 us would not be.
 I8_MAX_TOKENS = 32
-
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "IQ4_XS")
 _GROUP_TYPES = {"Q8_0": 0, "Q4_0": 1, "IQ4_NL": 2}  # `_group_kernel`'s NIB
