@@ -15,7 +15,7 @@ after every section so a timeout keeps what finished):
              the best installed in GEMV_CONFIGS; GB/s of the planes read and fraction of copy
              BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight); an integer-dot
              call includes its launch quantizing x
-  i8         the int8 tensor-core kernels (triton_gguf_i8: the K-quants but Q2_K / Q3_K, Q8_0, Q4_0, IQ4_*) per shape at --i8-ms tokens: its
+  i8         the int8 tensor-core kernels (triton_gguf_i8: every type but Q2_K / Q3_K) per shape at --i8-ms tokens: its
              default launch and a sweep of tiles / warps / stages / K split targets (the best installed in triton_gguf_i8.TUNED_CONFIGS for the engine
              sections after it), beside the fused kernel and cuBLAS bf16 on the same shape
              (CUDA-graph replays cycling through copies larger than L2; times include x's

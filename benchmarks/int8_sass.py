@@ -38,9 +38,10 @@ KERNELS = {
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=False), 144),
     "Q5_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=True), 176),
-    "Q8_0": (ti8._group_kernel, {"w_ptr": "*i8", "d_ptr": "*fp16"}, dict(iters_per_split=4), dict(NIB=0), 272),
-    "Q4_0": (ti8._group_kernel, {"w_ptr": "*u8", "d_ptr": "*fp16"}, dict(iters_per_split=4), dict(NIB=1), 144),
-    "IQ4_NL": (ti8._group_kernel, {"w_ptr": "*u8", "d_ptr": "*fp16"}, dict(iters_per_split=4), dict(NIB=2), 144),
+    **{name: (ti8._group_kernel, {"sum_ptr": "*i32", "w_ptr": "*i8" if nib == 0 else "*u8", "hi_ptr": "*u8",
+                                  "d_ptr": "*fp16", "m_ptr": "*fp16"}, dict(iters_per_split=4), dict(NIB=nib),
+              8 * planes.type_size(name))  # fmt: skip
+       for name, nib in ti8._GROUP_TYPES.items()},
     "Q6_K": (ti8._chunk_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
              dict(iters_per_split=4), dict(IQ4=False), 210),
     "IQ4_XS": (ti8._chunk_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
@@ -120,7 +121,7 @@ def main() -> None:
             rows.append(r)
             print(f"{name:7} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
-    for type_name in ("Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0", "IQ4_NL"):
+    for type_name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", *ti8._GROUP_TYPES):
         r = count_fused(type_name)
         rows.append(r)
         print(f"{type_name:7} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",

@@ -1,12 +1,13 @@
-"""GGUF's int8 tensor-core path for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, IQ4_NL and IQ4_XS
-(paphos/quant/gguf/triton_gguf_i8.py).
+"""GGUF's int8 tensor-core path for every type but Q2_K and Q3_K: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS (paphos/quant/gguf/triton_gguf_i8.py).
 
 - `stream_order` is the order of the codes in each type's kernel operands, read from repacked
   planes the way the kernel reads them (Q4_K: a super-block's bytes' low nibbles, then high, Q5_K
   each with its fifth bit; Q8_0: the stored bytes; Q6_K: per sub-block its low-plane bytes' low
   nibbles, then high, each with its 2 high-plane bits; IQ4_XS: each word's 8 codes in turn);
   x_blocks.quantize writes x in that order, bit for bit its torch reference, within half a step
-  of dx / 254 (Q4_0 and IQ4_NL as IQ4_XS). IQ4's byte-permute tables are its levels.
+  of dx / 254 (the 32-value group types as IQ4_XS, Q5_0 / Q5_1 with their fifth bits). IQ4's
+  byte-permute tables are its levels.
 - Each type's GEMM under the interpreter against dequantize-then-float32-matmul
   (planes.reference_matmul) within 1e-4 of max|ref| (x's quantization; the integer sums are
   exact), at 2, 9, 16 and 29 tokens (two token tiles), one and several K slices, masked rows and
@@ -65,15 +66,15 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_supports() -> None:
-    types = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "IQ4_XS")
+    types = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
     assert all(supports(t, 4096) and supports(t, 14336) for t in types)
     assert not supports("Q4_K", 4096 + 128) and not supports("Q8_0", 4096 + 32)  # a partial x block
-    assert not any(supports(t, 4096) for t in ("Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q2_K"))
+    assert not any(supports(t, 4096) for t in ("Q3_K", "Q2_K"))
 
 
 def test_iq4_tables_are_the_levels() -> None:
-    """`_nibble_values`' byte-permute tables hold IQ4_KVALUES (level i: byte i % 4 of word i // 4), the
-    asm spells them as these words, and the interpreter path as their int32 values."""
+    """`_nibble_values`' byte-permute tables hold IQ4_KVALUES (level i: byte i % 4 of word i // 4), its
+    asm (`_ASM_IQ4`) spells them as these words, and the interpreter path as their int32 values."""
     import inspect
 
     from paphos.quant.gguf import triton_gguf_i8 as ti8
@@ -83,10 +84,10 @@ def test_iq4_tables_are_the_levels() -> None:
     assert torch.equal((levels ^ 0x80) - 0x80, torch.tensor(IQ4_KVALUES).reshape(4, 4))
     source = inspect.getsource(ti8._nibble_values.fn)
     for word in IQ4_TABLES:
-        assert f"0x{word:08X}" in source and str(word - (1 << 32) if word >= 1 << 31 else word) in source
+        assert f"0x{word:08X}" in ti8._ASM_IQ4.value and str(word - (1 << 32) if word >= 1 << 31 else word) in source
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0", "IQ4_NL"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     raw = _raw(type_name, 8, K, 1)
     fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size(type_name)), type_name)
@@ -97,8 +98,11 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     lo = packed["lo"].contiguous()
     if type_name == "Q8_0":  # the stored bytes, as the kernel loads them
         operands = lo.long()
-    elif type_name in ("IQ4_XS", "Q4_0", "IQ4_NL"):  # each word's 8 codes in turn (code p at bits 4p)
+    elif type_name in ("IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):  # each word's 8 codes in turn
         operands = ((lo.long().reshape(8, -1, 1) & 0xFFFFFFFF) >> (4 * torch.arange(8)) & 15).reshape(8, K)
+        if "hi" in packed:  # Q5_0, Q5_1: the fifth-bit plane's byte w holds word w's codes' bits
+            bits = packed["hi"].contiguous().view(torch.uint8).long().reshape(8, -1, 1)
+            operands = operands | ((bits >> torch.arange(8)) & 1).reshape(8, K) << 4
     elif type_name == "Q6_K":  # per sub-block: its 8 low-plane bytes' low nibbles, then high ones
         b = lo.view(torch.uint8).long().reshape(8, -1, 1, 8)
         low = torch.cat([b & 15, b >> 4], 2).reshape(8, -1, 16)
@@ -136,7 +140,7 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0", "IQ4_NL"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0", "Q6_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 2)
     seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
@@ -153,10 +157,10 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A layer of Q4_K, Q6_K, Q5_0 and Q8_0 segments (a Q4_K_M q|k|v with v in the middle, a Q5_0
-    and a Q8_0 one): Q4_K, Q6_K and Q8_0 take the int8 path with x quantized once per type, Q5_0
+    """A layer of Q4_K, Q6_K, Q3_K and Q8_0 segments (a Q4_K_M q|k|v with v in the middle, a Q3_K
+    and a Q8_0 one): Q4_K, Q6_K and Q8_0 take the int8 path with x quantized once per type, Q3_K
     the fused kernel; one token stays on the GEMV, I8_MAX_TOKENS + 1 leaves the path."""
-    types, rows = ("Q4_K", "Q6_K", "Q5_0", "Q8_0"), (32, 16, 8, 24)
+    types, rows = ("Q4_K", "Q6_K", "Q3_K", "Q8_0"), (32, 16, 8, 24)
     raws = [_raw(t, r, K, 7 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
     segs, start = [], 0
     for t, raw in zip(types, raws, strict=True):
@@ -218,15 +222,16 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K") ->
 
 
 def _groups(rows: int, k: int, type_name: str) -> None:
-    """Q8_0, Q4_0 or IQ4_NL at the rule's launch: an mma.sync per 32-value group and 16 tokens, the
-    two x parts joined in int32 in registers (no shuffles), no spills, PDL; Q4_0's and IQ4_NL's
+    """A type of `_group_kernel` at the rule's launch: an mma.sync per 32-value group and 16 tokens,
+    the two x parts joined in int32 in registers (no shuffles), no spills, PDL; the 4-bit types'
     `_nibble_values` on runs of four operand positions (as `_chunks` checks)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
     cfg = ti8.i8_config(type_name, rows, k, 16)
     nib = ti8._GROUP_TYPES[type_name]
-    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-            "w_ptr": "*u8" if nib else "*i8", "d_ptr": "*fp16"}  # fmt: skip
+    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "sum_ptr": "*i32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+            "count_ptr": "*i32", "w_ptr": "*u8" if nib else "*i8", "hi_ptr": "*u8", "d_ptr": "*fp16",
+            "m_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
     constexprs = dict(NIB=nib, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
@@ -277,6 +282,8 @@ CASES = {
     "q5_k-gate_up": (_gemm, 28672, 4096, False, "Q5_K"), "q5_k-down": (_gemm, 4096, 14336, False, "Q5_K"),
     "q8_0-gate_up": (_groups, 28672, 4096, "Q8_0"), "q8_0-down": (_groups, 4096, 14336, "Q8_0"),
     "q4_0-gate_up": (_groups, 28672, 4096, "Q4_0"), "iq4_nl-down": (_groups, 4096, 14336, "IQ4_NL"),
+    "q4_1-down": (_groups, 4096, 14336, "Q4_1"), "q5_0-gate_up": (_groups, 28672, 4096, "Q5_0"),
+    "q5_1-gate_up": (_groups, 28672, 4096, "Q5_1"),
     "q6_k-down": (_chunks, 4096, 14336, "Q6_K"), "q6_k-head": (_chunks, 128256, 4096, "Q6_K"),
     "iq4_xs-gate_up": (_chunks, 28672, 4096, "IQ4_XS"), "iq4_xs-down": (_chunks, 4096, 14336, "IQ4_XS"),
 }  # fmt: skip

@@ -1,8 +1,7 @@
 """GGUF's int8 tensor-core GEMMs for batched decode (2 to I8_MAX_TOKENS tokens a step) on the
 repacked planes (planes.py) of Q4_K, Q5_K and Q6_K (the bytes of Q4_K_M and Q5_K_M files: Q6_K
-holds attn_v and ffn_down of half the layers and the head), Q8_0, Q4_0 (Gemma's QAT files),
-IQ4_NL and IQ4_XS; the other types (Q4_1, Q5_0, Q5_1, Q3_K, Q2_K) keep triton_gguf's fused
-kernel.
+holds attn_v and ffn_down of half the layers and the head), Q8_0, the legacy 4- and 5-bit types
+(Q4_0: Gemma's QAT files), IQ4_NL and IQ4_XS; Q3_K and Q2_K keep triton_gguf's fused kernel.
 
 Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
 segment of a supported type (`supports`); two launches per linear (x quantized once per type):
@@ -23,10 +22,12 @@ segment of a supported type (`supports`); two launches per linear (x quantized o
        sc (q + 16 b) = sc q + 16 (sc b), and sc b (at most 63) is one more int8 operand pair
        (`_fifth_bits`: the bits spread to bytes by one multiplication, times sc by another).
      - `_group_kernel`: eight 32-value groups a step, each with an fp16 scale. Q8_0: the stored
-       bytes are the int8 operand as they are (no unpacking); Q4_0 (code - 8) and IQ4_NL (the
-       IQ4 levels): the group's 4 low-plane words make it (`_nibble_values`). Per group one K=32
-       dot, its two parts joined in int32 (254 D1 + D2, in registers), times the scale in
-       float32; per step times dx / 254.
+       bytes are the int8 operand as they are (no unpacking); Q4_0 (code - 8), Q4_1 (code),
+       Q5_0 (code5 - 16), Q5_1 (code5) and IQ4_NL (the IQ4 levels): the group's 4 low-plane
+       words (and fifth-bit word) make it (`_nibble_values`). Per group one K=32 dot, its two
+       parts joined in int32 (254 D1 + D2, in registers), times the scale in float32, plus Q4_1's
+       and Q5_1's minimum times x's sum over the group (x_blocks writes sums per 32 for them);
+       per step times dx / 254.
      - `_chunk_kernel`, Q6_K: eight chunks of two 16-value sub-blocks a step. A Q6_K value is
        d sc (q - 32), q 6 bits, sc a signed 8-bit scale per 16 values. The chunk's signed codes
        v = q - 32 are one K=32 operand (`_q6_k_codes`: the low-plane nibbles joined with their
@@ -49,8 +50,7 @@ codes first (byte permutes for every operand register): 145.9 us against bf16's 
 H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
 wait on every dot): 250.5 against 170.2 on an H100.
 
-Q8_0, Q6_K, Q5_K, IQ4_XS, Q4_0 and IQ4_NL are not yet measured on a GPU (no device was lent when
-they were written). Their launches come from the static count of benchmarks/int8_sass.py (sm_90
+None of the types but Q4_K is measured on a GPU yet (no device was lent when they were written). Their launches come from the static count of benchmarks/int8_sass.py (sm_90
 SASS of the K loop, thread-instructions per weight byte), which tracks the measured kernels: bytes per second times
 instructions per byte came to 9.8 and 9.7 TB/s x instr/B on an H100 for Q4_K's int8 kernel (8.6
 a byte, 1.14 TB/s on gate|up) and the fused kernel on Q8_0 (7.2 a byte, a layer in 170 us: 1.36
@@ -59,7 +59,8 @@ Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with w
 7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
 warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x); Q5_K: 11.2 on
 Q4_K's launch (wgmma), 36.6 fused (about 3x); IQ4_XS: 10.0 with mma.sync, 11.7 with wgmma, 21.0
-fused (about 2x); Q4_0 9.5 against 18.9, IQ4_NL 10.7 against 16.3 (mma.sync). The rule takes
+fused (about 2x); with mma.sync, Q4_0 9.5 against 18.9, Q4_1 10.0 against 17.4, Q5_0 10.9
+against 22.1, Q5_1 11.1 against 20.5, IQ4_NL 10.7 against 16.3. The rule takes
 mma.sync where each small dot would wait under wgmma; the first GPU run must confirm it
 (`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's path
 (a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
@@ -94,8 +95,8 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 # kernel's 340 us at 32 tokens; at 64, four tiles' 518 us would not be.
 I8_MAX_TOKENS = 32
 
-TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_NL", "IQ4_XS")
-_GROUP_TYPES = {"Q8_0": 0, "Q4_0": 1, "IQ4_NL": 2}  # `_group_kernel`'s NIB
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+_GROUP_TYPES = {"Q8_0": 0, "Q4_0": 1, "IQ4_NL": 2, "Q4_1": 3, "Q5_0": 4, "Q5_1": 5}  # `_group_kernel`'s NIB
 
 
 def supports(type_name: str, k: int) -> bool:
@@ -118,7 +119,7 @@ def stream_order(type_name: str) -> torch.Tensor:
     if type_name == "Q6_K":
         sub, word, byte, high = j // 16, j % 8 // 4, j % 4, j % 16 // 8
         return sub * 16 + (2 * byte + high) * 2 + word
-    if type_name in ("IQ4_XS", "Q4_0", "IQ4_NL"):
+    if type_name in ("IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
         return j // 32 * 32 + j % 8 * 4 + j % 32 // 8
     high, byte = j // 128, j % 128
     t = byte % 16
@@ -128,6 +129,30 @@ def stream_order(type_name: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------- Triton kernel
 
 if triton is not None:
+    # `_nibble_values`' PTX for the linear 4- and 5-bit types: a word's four codes spread to bytes by
+    # a byte permute ($1 the word, $2 its code shift 0 / 16), the fifth bits of a 5-bit type ($3:
+    # the fifth-bit plane's byte of the word, bit p code p) spread by one multiplication (x
+    # 0x204081 lands bits 0-3 on bits 0, 8, 16, 24, nothing else there), the offset taken off
+    # with no carry between bytes ((q + 0x80 - off) ^ 0x80)
+    _NIBBLES = ("{ .reg .b32 w, y, t, n, h; and.b32 t, $2, 0xFF; shr.b32 w, $1, t; shr.b32 y, w, 4; "
+                "prmt.b32 n, w, y, 0x5140; and.b32 n, n, 0x0F0F0F0F; ")
+    _FIFTH = ("shr.b32 t, t, 2; and.b32 h, $3, 0xFF; shr.b32 h, h, t; and.b32 h, h, 0xF; "
+              "mul.lo.u32 h, h, 0x204081; and.b32 h, h, 0x01010101; shl.b32 h, h, 4; or.b32 n, n, h; ")
+
+
+    def _offset(off: int) -> str:
+        return f"add.u32 n, n, {(0x80 - off) * 0x01010101:#010x}; xor.b32 n, n, 0x80808080; "
+
+
+    _ASM_Q4_0 = tl.constexpr(_NIBBLES + _offset(8) + "mov.b32 $0, n; }")
+    _ASM_Q4_1 = tl.constexpr(_NIBBLES + "mov.b32 $0, n; }")
+    _ASM_Q5_0 = tl.constexpr(_NIBBLES + _FIFTH + _offset(16) + "mov.b32 $0, n; }")
+    _ASM_Q5_1 = tl.constexpr(_NIBBLES + _FIFTH + "mov.b32 $0, n; }")
+    _ASM_IQ4 = tl.constexpr(
+        "{ .reg .b32 w, i, a, b, y, m; and.b32 i, $2, 0xFF; shr.b32 w, $1, i; and.b32 i, w, 0x7777; "
+        "prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, i; prmt.b32 b, 0x26190D01, 0x71594535, i; shl.b32 y, w, 4; "
+        "prmt.b32 m, w, y, 0x9D8C; and.b32 b, b, m; not.b32 m, m; and.b32 a, a, m; or.b32 $0, a, b; }"
+    )  # fmt: skip
 
     @triton.jit
     def _scale_halves(codes, s_hi, s_lo, ASM: tl.constexpr):
@@ -171,40 +196,43 @@ if triton is not None:
             return lo.to(tl.int8), hi.to(tl.int8)
 
     @triton.jit
-    def _nibble_values(words, code_shift, IQ4: tl.constexpr, ASM: tl.constexpr):
-        """4-bit codes -> their values as int8: IQ4's levels (IQ4_KVALUES), else code - 8 (Q4_0).
-        words: per operand position, byte k % 4 of the low-plane word holding its code (a word's 8
-        codes, code p at bits 4p), code_shift: 0 for codes 0-3 of the word, 16 for codes 4-7. GPU:
-        four positions a register (the word itself). IQ4: their four codes are the selector of two
-        byte permutes (levels 0-7, levels 8-15) and a third turns each code's bit 3 into a byte
-        mask choosing between them; Q4_0: a byte permute spreads the four nibbles to bytes and 8
-        comes off with no carry between bytes ((q + 0x78) ^ 0x80)."""
+    def _nibble_values(words, code_shift, fifth, NIB: tl.constexpr, ASM: tl.constexpr):
+        """A group's 4-bit codes -> their values as int8, by NIB (`_GROUP_TYPES`): 1 Q4_0 code - 8,
+        2 IQ4's levels (IQ4_KVALUES), 3 Q4_1 code, 4 Q5_0 code5 - 16, 5 Q5_1 code5 (code5: the code
+        and its fifth bit). Per operand position: words, byte k % 4 of the low-plane word holding
+        its code (a word's 8 codes, code p at bits 4p); code_shift, 0 for codes 0-3 of the word,
+        16 for codes 4-7; fifth (5-bit types), the fifth-bit plane's byte of that word (bit p:
+        code p). GPU: four positions a register (the word itself); IQ4: the four codes are the
+        selector of two byte permutes over the level tables and a third turns each code's bit 3
+        into a byte mask choosing between them; the others as `_ASM_Q4_0` .. `_ASM_Q5_1` say."""
         if ASM:
-            if IQ4:
-                body: tl.constexpr = (
-                    "{ .reg .b32 w, i, a, b, y, m; and.b32 i, $2, 0xFF; shr.b32 w, $1, i; and.b32 i, w, 0x7777; "
-                    "prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, i; prmt.b32 b, 0x26190D01, 0x71594535, i; shl.b32 y, w, 4; "
-                    "prmt.b32 m, w, y, 0x9D8C; and.b32 b, b, m; not.b32 m, m; and.b32 a, a, m; or.b32 $0, a, b; }"
-                )  # fmt: skip
+            if NIB == 1:
+                body: tl.constexpr = _ASM_Q4_0
+            elif NIB == 2:
+                body: tl.constexpr = _ASM_IQ4
+            elif NIB == 3:
+                body: tl.constexpr = _ASM_Q4_1
+            elif NIB == 4:
+                body: tl.constexpr = _ASM_Q5_0
             else:
-                body: tl.constexpr = (
-                    "{ .reg .b32 w, y, t; and.b32 t, $2, 0xFF; shr.b32 w, $1, t; shr.b32 y, w, 4; "
-                    "prmt.b32 t, w, y, 0x5140; and.b32 t, t, 0x0F0F0F0F; add.u32 t, t, 0x78787878; "
-                    "xor.b32 $0, t, 0x80808080; }"
-                )  # fmt: skip
-            return tl.inline_asm_elementwise(body, "=r,r,r", [words, code_shift], dtype=tl.int8, is_pure=True, pack=4)
+                body: tl.constexpr = _ASM_Q5_1
+            return tl.inline_asm_elementwise(body, "=r,r,r,r", [words, code_shift, fifth], dtype=tl.int8,
+                                             is_pure=True, pack=4)  # fmt: skip
         else:
             byte = tl.arange(0, words.shape[1]) % 4
             b = tl.reshape(words.to(tl.int32), (words.shape[0], words.shape[1] // 4, 4)) << (8 * tl.arange(0, 4))
             word = tl.reshape(tl.broadcast_to(tl.sum(b, axis=2)[:, :, None], b.shape), words.shape)
-            code = (word >> (code_shift.to(tl.int32) + 4 * byte[None, :])) & 15
-            if IQ4:
+            shift = code_shift.to(tl.int32) // 4 + byte[None, :]  # the code's index in its word
+            code = (word >> (4 * shift)) & 15
+            if NIB == 2:
                 # the asm's tables (IQ4_TABLES): four levels a word, byte code % 4 of word code // 4
                 table = tl.where(code < 8, tl.where(code < 4, -1079142271, -152379953),
                                  tl.where(code < 12, 639175937, 1901675829))  # fmt: skip
                 return ((((table >> (8 * (code % 4))) & 0xFF) ^ 0x80) - 0x80).to(tl.int8)
-            else:
-                return (code - 8).to(tl.int8)
+            if NIB >= 4:
+                code = code | (((fifth.to(tl.int32) >> shift) & 1) << 4)
+            off: tl.constexpr = 8 if NIB == 1 else (16 if NIB == 4 else 0)
+            return (code - off).to(tl.int8)
 
     @triton.jit
     def _q6_k_codes(lo, hi, nib_shift, hi_shift, second, ASM: tl.constexpr):
@@ -318,26 +346,32 @@ if triton is not None:
 
     @triton.jit
     def _group_kernel(
-        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, d_ptr, M, N, K, stride_om, iters_per_split,
+        q_ptr, dx_ptr, sum_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, d_ptr, m_ptr, M, N, K, stride_om,
+        iters_per_split,
         NIB: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
         """`_q4_k_kernel`'s tiling for the types with an fp16 scale d per 32-value group (module
-        docstring): per group one K=32 int8 dot, its two parts joined in int32, times d in float32;
-        per x block of 256 values the sum times dx. NIB 0 (Q8_0): the stored int8 bytes are the
-        operand, w_ptr the code plane; 1 (Q4_0: code - 8) or 2 (IQ4_NL: levels): the group's 4
-        low-plane words (bytes at w_ptr) give its 32 values (`_nibble_values`). d_ptr: the scales."""
+        docstring): per group one K=32 int8 dot, its two parts joined in int32, times d in float32,
+        plus the group's fp16 minimum m times x's sum over the group (Q4_1, Q5_1); per x block of
+        256 values the sum times dx. NIB 0 (Q8_0): the stored int8 bytes are the operand, w_ptr the
+        code plane; else the group's 4 low-plane words (bytes at w_ptr) and, for Q5_0 / Q5_1, its
+        fifth-bit word (bytes at hi_ptr) give its 32 values (`_nibble_values`). d_ptr: the scales,
+        m_ptr: the minimums, sum_ptr: x's sums per 32 values (read for Q4_1 and Q5_1 only)."""
         rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
                                                                                 BM, 32, PDL)  # fmt: skip
         n_blocks = K // 256
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)
         k = tl.arange(0, 32)
+        FIVE: tl.constexpr = NIB >= 4
+        MIN: tl.constexpr = NIB == 3 or NIB == 5
         if NIB == 0:
             w_rows = w_ptr + r64[:, None] * K + k[None, :]
         else:  # word k // 8, its codes 4 (k % 8 // 4) .. + 3: the word again for the second four
             w_rows = w_ptr + r64[:, None] * (K // 2) + (k // 8 * 4 + k % 4)[None, :]
             code_shift = tl.broadcast_to((16 * (k % 8 // 4)).to(tl.int8)[None, :], (BN, 32))
+            hi_rows = hi_ptr + r64[:, None] * (K // 8) + tl.arange(0, 4)[None, :]  # byte w: word w's bits
         d_rows = d_ptr + r64 * (K // 32)
         part_w = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2: x / dx * 254
         acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -350,11 +384,19 @@ if triton is not None:
                 if NIB == 0:
                     wv = tl.load(w_rows + g * 32, mask=row_ok[:, None], other=0)
                 else:
-                    wv = _nibble_values(tl.load(w_rows + g * 16, mask=row_ok[:, None], other=0), code_shift, NIB == 2,
-                                        ASM)  # fmt: skip
+                    words = tl.load(w_rows + g * 16, mask=row_ok[:, None], other=0)
+                    if FIVE:
+                        fifth = _per_byte(tl.load(hi_rows + g * 4, mask=row_ok[:, None], other=0), BN, 4, 8)
+                    else:
+                        fifth = words  # (unread)
+                    wv = _nibble_values(words, code_shift, fifth, NIB, ASM)
                 xb = tl.load(x_cols + g * 32, mask=x_ok, other=0)
                 dot = x_blocks.sum_parts(tl.dot(wv, xb, out_dtype=tl.int32) * part_w[None, :], BN, BM)
                 step += dot.to(tl.float32) * d[:, None]
+                if MIN:  # + m sum(x): the sums are 254 sum(x) / dx, as the joined dot
+                    mn = tl.load(m_ptr + r64 * (K // 32) + g, mask=row_ok, other=0).to(tl.float32)
+                    xs = tl.load(sum_ptr + ms * (K // 32) + g, mask=m_ok, other=0).to(tl.float32)
+                    step += mn[:, None] * xs[None, :]
             acc += step * dx[None, :]
         _store(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, SPLIT, ASM)
 
@@ -405,7 +447,7 @@ if triton is not None:
                 xb = tl.load(x_cols + it * 256 + c * 32, mask=x_ok, other=0)
                 if IQ4:
                     sc = tl.load(sc_rows + it * 8 + c, mask=row_ok, other=0).to(tl.int32)
-                    step += sc[:, None] * tl.dot(_nibble_values(lo, code_shift, True, ASM), xb, out_dtype=tl.int32)
+                    step += sc[:, None] * tl.dot(_nibble_values(lo, code_shift, lo, 2, ASM), xb, out_dtype=tl.int32)
                 else:
                     hw = tl.load(hi_rows + it * 64 + c * 8, mask=row_ok[:, None], other=0)
                     sc_a = tl.load(sc_rows + it * 16 + 2 * c, mask=row_ok, other=0).to(tl.int32)
@@ -449,10 +491,10 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
 
 def quantize_x(x: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> the (parts, dx, sums) of x_blocks in `type_name`'s stream order; the kernels
-    read the parts and dx (the K-quants' minimum has its own dot, the other types have none: the
-    sums go unread)."""
+    read the parts and dx, and Q4_1's and Q5_1's the sums per 32 values (their minimum's term;
+    the K-quants' minimum has a dot of its own)."""
     order = x_blocks.device_order(type_name, x.device, lambda: stream_order(type_name))
-    return x_blocks.quantize(x, order, XB, XB)
+    return x_blocks.quantize(x, order, XB, 32 if type_name in ("Q4_1", "Q5_1") else XB)
 
 
 def matmul_into(
@@ -462,17 +504,21 @@ def matmul_into(
     """out [M, seg.rows] (a column slice of the linear's output, unit stride on rows) = x W^T of
     one segment of a supported type (triton_gguf.Segment), from `quantize_x` in that type's
     order; `cfg` overrides `i8_config`."""
-    parts, dx, _ = xq
+    parts, dx, sums = xq
     m, k = out.shape[0], seg.k
     n = seg.rows
     cfg = cfg or i8_config(seg.type_name, n, k, m)
     tiles = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     p = seg.planes
-    extra: dict[str, bool] = {}
+    extra: dict[str, bool | int] = {}
+    xq_args = (parts, dx)
     if seg.type_name in _GROUP_TYPES:
-        kernel, planes = _group_kernel, (p["lo"] if seg.type_name == "Q8_0" else p["lo"].view(torch.uint8), p["sc"])
+        lo = p["lo"] if seg.type_name == "Q8_0" else p["lo"].view(torch.uint8)
+        hi = p["hi"].view(torch.uint8) if "hi" in p else lo
+        kernel, planes = _group_kernel, (lo, hi, p["sc"], p.get("mn", p["sc"]))
         extra["NIB"] = _GROUP_TYPES[seg.type_name]
+        xq_args = (parts, dx, sums)
     elif seg.type_name in ("Q6_K", "IQ4_XS"):
         lo = p["lo"].view(torch.uint8)
         kernel, planes = _chunk_kernel, (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"], p["sd"])
@@ -483,7 +529,7 @@ def matmul_into(
                                         p["smin"])  # fmt: skip
         extra["FIVE"] = seg.type_name == "Q5_K"
     kernel[(*tiles, cut.count)](
-        parts, dx, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per,
+        *xq_args, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per,
         BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda, **extra,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip
