@@ -14,6 +14,8 @@ Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS (paphos/quant/gguf/triton_gguf_i8.py).
   tokens, 16- to 64-row programs.
 - `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for the supported types'
   segments, the fused kernel for a layer's other segments, x quantized once per type.
+- Every inline PTX body (the code assembly the interpreter never runs) in a PTX simulator
+  (tests/quant/ptx_sim.py) on random registers, against the same arithmetic.
 - The kernels compile for sm_90 with both tritons in the rules' launches, no spills, PDL: Q4_K
   with wgmma and the codes in registers, the scale multiplication in the dot operand's layout
   (four codes of one sub-block per register; a 32-row mma.sync program keeps it), Q5_K's fifth
@@ -36,6 +38,7 @@ from paphos.quant.gguf import planes
 from paphos.quant.gguf.triton_gguf_i8 import IQ4_TABLES, stream_order, supports
 from paphos.quant.kernels import split_k
 from tests.device_triton import TRITON_IDS, TRITONS, check_compiles_in_child, compile_sm90, run_compiles
+from tests.quant import ptx_sim
 from tests.quant.gguf_blocks import random_blocks, weight_scale
 from tests.triton_interpreted import interpreted
 
@@ -180,6 +183,65 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
     top = ti8.I8_MAX_TOKENS
     assert quantized == [(m, t) for m in (3, top) for t in ("Q4_K", "Q6_K", "Q8_0")]
     assert gemms == [(m, r) for m in (3, top) for r in (32, 16, 24)]
+
+
+# ---------------------------------------------------------------------------- the inline PTX
+# The interpreter runs the kernels' torch-like branches; these run each asm body in a PTX
+# simulator (tests/quant/ptx_sim.py) on random registers as the kernel packs them (four operand
+# positions a register, k % 4 = 0..3) against the same arithmetic.
+
+
+def _ti8() -> object:
+    from paphos.quant.gguf import triton_gguf_i8
+
+    return triton_gguf_i8
+
+
+def test_ptx_scale_halves_and_fifth_bits() -> None:
+    rng = np.random.default_rng(11)
+    ti8 = _ti8()
+    for _ in range(200):
+        codes, sc, bits = rng.integers(0, 16, 4).tolist(), int(rng.integers(0, 64)), int(rng.integers(0, 256))
+        h, lo = ptx_sim.run(ti8._ASM_SCALE_HALVES.value, [ptx_sim.pack(codes), ptx_sim.pack([sc >> 3] * 4),
+                                                           ptx_sim.pack([sc & 7] * 4)], 2)  # fmt: skip
+        assert ptx_sim.unpack(h) == [c * (sc >> 3) for c in codes] and ptx_sim.unpack(lo) == [c * (sc & 7) for c in codes]
+        low, high = ptx_sim.run(ti8._ASM_FIFTH_BITS.value, [ptx_sim.pack([bits] * 4), ptx_sim.pack([sc] * 4)], 2)
+        assert ptx_sim.unpack(low) == [sc * (bits >> (2 * b) & 1) for b in range(4)]
+        assert ptx_sim.unpack(high) == [sc * (bits >> (2 * b + 1) & 1) for b in range(4)]
+
+
+def test_ptx_q6_k_codes() -> None:
+    rng = np.random.default_rng(12)
+    ti8 = _ti8()
+    for _ in range(300):
+        lo, word = rng.integers(0, 256, 4).tolist(), int(rng.integers(0, 1 << 32))
+        high, w, second = (int(v) for v in rng.integers(0, 2, 3))
+        hi_shift = 16 * w + 2 * high
+        v, v_b = ptx_sim.run(ti8._ASM_Q6_K.value, [ptx_sim.pack(lo), word, ptx_sim.pack([4 * high] * 4),
+                                                    ptx_sim.pack([hi_shift] * 4), ptx_sim.pack([-second] * 4)], 2)  # fmt: skip
+        want = [((b >> (4 * high)) & 15 | ((word >> (hi_shift + 4 * i)) & 3) << 4) - 32 for i, b in enumerate(lo)]
+        assert ptx_sim.unpack(v) == want and ptx_sim.unpack(v_b) == [x * second for x in want]
+
+
+@pytest.mark.parametrize("nib", [1, 2, 3, 4, 5])
+def test_ptx_nibble_values(nib: int) -> None:
+    """Q4_0, IQ4, Q4_1, Q5_0, Q5_1: codes 4h .. 4h + 3 of a word (and their fifth bits)."""
+    from paphos.quant.gguf.dequant import IQ4_KVALUES
+
+    rng = np.random.default_rng(13 + nib)
+    ti8 = _ti8()
+    asm = {1: ti8._ASM_Q4_0, 2: ti8._ASM_IQ4, 3: ti8._ASM_Q4_1, 4: ti8._ASM_Q5_0, 5: ti8._ASM_Q5_1}[nib].value
+    for _ in range(300):
+        word, half, fifth = int(rng.integers(0, 1 << 32)), int(rng.integers(0, 2)), int(rng.integers(0, 256))
+        (got,) = ptx_sim.run(asm, [word, ptx_sim.pack([16 * half] * 4), ptx_sim.pack([fifth] * 4)], 1)
+        codes = [(word >> (4 * (4 * half + i))) & 15 for i in range(4)]
+        if nib == 2:
+            want = [IQ4_KVALUES[c] for c in codes]
+        else:
+            if nib >= 4:
+                codes = [c | ((fifth >> (4 * half + i)) & 1) << 4 for i, c in enumerate(codes)]
+            want = [c - {1: 8, 3: 0, 4: 16, 5: 0}[nib] for c in codes]
+        assert ptx_sim.unpack(got) == want, (nib, hex(word), half, fifth)
 
 
 # ---------------------------------------------------------------------------- sm_90 compiles

@@ -129,25 +129,38 @@ def stream_order(type_name: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------- Triton kernel
 
 if triton is not None:
-    # `_nibble_values`' PTX for the linear 4- and 5-bit types: a word's four codes spread to bytes by
-    # a byte permute ($1 the word, $2 its code shift 0 / 16), the fifth bits of a 5-bit type ($3:
-    # the fifth-bit plane's byte of the word, bit p code p) spread by one multiplication (x
-    # 0x204081 lands bits 0-3 on bits 0, 8, 16, 24, nothing else there), the offset taken off
-    # with no carry between bytes ((q + 0x80 - off) ^ 0x80)
+    # The inline PTX of the code assembly below (module constants so that tests/quant/ptx_sim.py can
+    # run each on chosen registers). `_nibble_values`' for the linear 4- and 5-bit types: a word's
+    # four codes spread to bytes by a byte permute ($1 the word, $2 its code shift 0 / 16), the
+    # fifth bits of a 5-bit type ($3: the fifth-bit plane's byte of the word, bit p code p)
+    # spread by one multiplication (x 0x204081 lands bits 0-3 on bits 0, 8, 16, 24, nothing else
+    # there), the offset taken off with no carry between bytes ((q + 0x80 - off) ^ 0x80)
     _NIBBLES = ("{ .reg .b32 w, y, t, n, h; and.b32 t, $2, 0xFF; shr.b32 w, $1, t; shr.b32 y, w, 4; "
                 "prmt.b32 n, w, y, 0x5140; and.b32 n, n, 0x0F0F0F0F; ")
     _FIFTH = ("shr.b32 t, t, 2; and.b32 h, $3, 0xFF; shr.b32 h, h, t; and.b32 h, h, 0xF; "
               "mul.lo.u32 h, h, 0x204081; and.b32 h, h, 0x01010101; shl.b32 h, h, 4; or.b32 n, n, h; ")
 
-
     def _offset(off: int) -> str:
         return f"add.u32 n, n, {(0x80 - off) * 0x01010101:#010x}; xor.b32 n, n, 0x80808080; "
-
 
     _ASM_Q4_0 = tl.constexpr(_NIBBLES + _offset(8) + "mov.b32 $0, n; }")
     _ASM_Q4_1 = tl.constexpr(_NIBBLES + "mov.b32 $0, n; }")
     _ASM_Q5_0 = tl.constexpr(_NIBBLES + _FIFTH + _offset(16) + "mov.b32 $0, n; }")
     _ASM_Q5_1 = tl.constexpr(_NIBBLES + _FIFTH + "mov.b32 $0, n; }")
+    _ASM_SCALE_HALVES = tl.constexpr(
+        "{ .reg .b32 h, l; and.b32 h, $3, 0xFF; and.b32 l, $4, 0xFF; mul.lo.u32 $0, $2, h; mul.lo.u32 $1, $2, l; }"
+    )  # fmt: skip
+    _ASM_FIFTH_BITS = tl.constexpr(
+        "{ .reg .b32 t, u, s; and.b32 s, $3, 0xFF; and.b32 t, $2, 0x55; mul.lo.u32 t, t, 0x41041; "
+        "and.b32 t, t, 0x01010101; mul.lo.u32 $0, t, s; shr.b32 u, $2, 1; and.b32 u, u, 0x55; "
+        "mul.lo.u32 u, u, 0x41041; and.b32 u, u, 0x01010101; mul.lo.u32 $1, u, s; }"
+    )  # fmt: skip
+    _ASM_Q6_K = tl.constexpr(
+        "{ .reg .b32 n, h, t; and.b32 t, $4, 0xFF; shr.b32 n, $2, t; and.b32 n, n, 0x0F0F0F0F; "
+        "and.b32 t, $5, 0xFF; shr.b32 h, $3, t; prmt.b32 h, h, 0, 0x1100; shl.b32 t, h, 4; "
+        "and.b32 t, t, 0x00300030; and.b32 h, h, 0x30003000; or.b32 h, h, t; or.b32 n, n, h; "
+        "add.u32 n, n, 0x60606060; xor.b32 $0, n, 0x80808080; and.b32 $1, $0, $6; }"
+    )  # fmt: skip
     _ASM_IQ4 = tl.constexpr(
         "{ .reg .b32 w, i, a, b, y, m; and.b32 i, $2, 0xFF; shr.b32 w, $1, i; and.b32 i, w, 0x7777; "
         "prmt.b32 a, 0xBFAD9881, 0xF6EADDCF, i; prmt.b32 b, 0x26190D01, 0x71594535, i; shl.b32 y, w, 4; "
@@ -164,10 +177,8 @@ if triton is not None:
         sub-block's run of 16 bytes in a nibble plane), the layout Triton gives this op (tests/quant/test_gguf_i8.py checks
         it in the sm_90 compile; the load-time self-check in triton_gguf.py checks the results)."""
         if ASM:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 h, l; and.b32 h, $3, 0xFF; and.b32 l, $4, 0xFF; mul.lo.u32 $0, $2, h; mul.lo.u32 $1, $2, l; }",
-                "=r,=r,r,r,r", [codes, s_hi, s_lo], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
-            )  # fmt: skip
+            return tl.inline_asm_elementwise(_ASM_SCALE_HALVES, "=r,=r,r,r,r", [codes, s_hi, s_lo],
+                                             dtype=(tl.int8, tl.int8), is_pure=True, pack=4)  # fmt: skip
         else:
             c = codes.to(tl.int32)
             return (c * s_hi.to(tl.int32)).to(tl.int8), (c * s_lo.to(tl.int32)).to(tl.int8)
@@ -182,12 +193,8 @@ if triton is not None:
         spread to byte b by one multiplication (x 0x41041 on bits 0, 2, 4, 6 lands them on bits 0,
         8, 16, 24, nothing else there), then one more by the scale."""
         if ASM:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, u, s; and.b32 s, $3, 0xFF; and.b32 t, $2, 0x55; mul.lo.u32 t, t, 0x41041; "
-                "and.b32 t, t, 0x01010101; mul.lo.u32 $0, t, s; shr.b32 u, $2, 1; and.b32 u, u, 0x55; "
-                "mul.lo.u32 u, u, 0x41041; and.b32 u, u, 0x01010101; mul.lo.u32 $1, u, s; }",
-                "=r,=r,r,r", [bits, scale], dtype=(tl.int8, tl.int8), is_pure=True, pack=4,
-            )  # fmt: skip
+            return tl.inline_asm_elementwise(_ASM_FIFTH_BITS, "=r,=r,r,r", [bits, scale], dtype=(tl.int8, tl.int8),
+                                             is_pure=True, pack=4)  # fmt: skip
         else:
             b = 2 * (tl.arange(0, bits.shape[1]) % 4)[None, :]
             s = scale.to(tl.int32)
@@ -246,14 +253,8 @@ if triton is not None:
         2 bits joined above the low nibbles, 32 taken off with no carry between bytes ((q + 0x60)
         ^ 0x80)."""
         if ASM:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 n, h, t; and.b32 t, $4, 0xFF; shr.b32 n, $2, t; and.b32 n, n, 0x0F0F0F0F; "
-                "and.b32 t, $5, 0xFF; shr.b32 h, $3, t; prmt.b32 h, h, 0, 0x1100; shl.b32 t, h, 4; "
-                "and.b32 t, t, 0x00300030; and.b32 h, h, 0x30003000; or.b32 h, h, t; or.b32 n, n, h; "
-                "add.u32 n, n, 0x60606060; xor.b32 $0, n, 0x80808080; and.b32 $1, $0, $6; }",
-                "=r,=r,r,r,r,r,r", [lo, hi, nib_shift, hi_shift, second], dtype=(tl.int8, tl.int8),
-                is_pure=True, pack=4,
-            )  # fmt: skip
+            return tl.inline_asm_elementwise(_ASM_Q6_K, "=r,=r,r,r,r,r,r", [lo, hi, nib_shift, hi_shift, second],
+                                             dtype=(tl.int8, tl.int8), is_pure=True, pack=4)  # fmt: skip
         else:
             BN: tl.constexpr = lo.shape[0]
             KC: tl.constexpr = lo.shape[1]
