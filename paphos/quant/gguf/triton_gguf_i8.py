@@ -203,6 +203,14 @@ if triton is not None:
             return lo.to(tl.int8), hi.to(tl.int8)
 
     @triton.jit
+    def _run_words(b):
+        """Bytes [R, C] (uint8) -> int32 [R, C]: at every position, the word its run of four
+        (positions 4j .. 4j + 3, little-endian) forms; what the asm sees as one register (the
+        interpreter paths' stand-in)."""
+        runs = tl.reshape(b.to(tl.int32), (b.shape[0], b.shape[1] // 4, 4)) << (8 * tl.arange(0, 4))[None, None, :]
+        return tl.reshape(tl.broadcast_to(tl.sum(runs, axis=2)[:, :, None], runs.shape), b.shape)
+
+    @triton.jit
     def _nibble_values(words, code_shift, fifth, NIB: tl.constexpr, ASM: tl.constexpr):
         """A group's 4-bit codes -> their values as int8, by NIB (`_GROUP_TYPES`): 1 Q4_0 code - 8,
         2 IQ4's levels (IQ4_KVALUES), 3 Q4_1 code, 4 Q5_0 code5 - 16, 5 Q5_1 code5 (code5: the code
@@ -226,11 +234,8 @@ if triton is not None:
             return tl.inline_asm_elementwise(body, "=r,r,r,r", [words, code_shift, fifth], dtype=tl.int8,
                                              is_pure=True, pack=4)  # fmt: skip
         else:
-            byte = tl.arange(0, words.shape[1]) % 4
-            b = tl.reshape(words.to(tl.int32), (words.shape[0], words.shape[1] // 4, 4)) << (8 * tl.arange(0, 4))
-            word = tl.reshape(tl.broadcast_to(tl.sum(b, axis=2)[:, :, None], b.shape), words.shape)
-            shift = code_shift.to(tl.int32) // 4 + byte[None, :]  # the code's index in its word
-            code = (word >> (4 * shift)) & 15
+            shift = code_shift.to(tl.int32) // 4 + (tl.arange(0, words.shape[1]) % 4)[None, :]  # the code's index
+            code = (_run_words(words) >> (4 * shift)) & 15
             if NIB == 2:
                 # the asm's tables (IQ4_TABLES): four levels a word, byte code % 4 of word code // 4
                 table = tl.where(code < 8, tl.where(code < 4, -1079142271, -152379953),
@@ -256,14 +261,9 @@ if triton is not None:
             return tl.inline_asm_elementwise(_ASM_Q6_K, "=r,=r,r,r,r,r,r", [lo, hi, nib_shift, hi_shift, second],
                                              dtype=(tl.int8, tl.int8), is_pure=True, pack=4)  # fmt: skip
         else:
-            BN: tl.constexpr = lo.shape[0]
-            KC: tl.constexpr = lo.shape[1]
-            # each run of four positions' bytes of `hi`, as the word they are
-            b = tl.reshape(hi.to(tl.int32), (BN, KC // 4, 4)) << (8 * tl.arange(0, 4))[None, None, :]
-            word = tl.reshape(tl.broadcast_to(tl.sum(b, axis=2)[:, :, None], (BN, KC // 4, 4)), (BN, KC))
-            at = hi_shift.to(tl.int32) + 4 * (tl.arange(0, KC) % 4)[None, :]
+            at = hi_shift.to(tl.int32) + 4 * (tl.arange(0, lo.shape[1]) % 4)[None, :]
             nib = (lo.to(tl.int32) >> nib_shift.to(tl.int32)) & 15
-            v = (nib | (((word >> at) & 3) << 4)) - 32
+            v = (nib | (((_run_words(hi) >> at) & 3) << 4)) - 32
             return v.to(tl.int8), tl.where(second != 0, v, 0).to(tl.int8)
 
     @triton.jit
