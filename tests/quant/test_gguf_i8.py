@@ -197,17 +197,19 @@ def _ti8() -> object:
     return triton_gguf_i8
 
 
-def test_ptx_scale_halves_and_fifth_bits() -> None:
+def test_ptx_scale_halves_fifth_bits_and_minimum() -> None:
     rng = np.random.default_rng(11)
     ti8 = _ti8()
     for _ in range(200):
         codes, sc, bits = rng.integers(0, 16, 4).tolist(), int(rng.integers(0, 64)), int(rng.integers(0, 256))
-        h, lo = ptx_sim.run(ti8._ASM_SCALE_HALVES.value, [ptx_sim.pack(codes), ptx_sim.pack([sc >> 3] * 4),
-                                                           ptx_sim.pack([sc & 7] * 4)], 2)  # fmt: skip
+        # int32 operands take four registers an instance, all holding the run's value
+        h, lo = ptx_sim.run(ti8._ASM_SCALE_HALVES.value, [ptx_sim.pack(codes)] + [sc] * 4, 2)
         assert ptx_sim.unpack(h) == [c * (sc >> 3) for c in codes] and ptx_sim.unpack(lo) == [c * (sc & 7) for c in codes]
-        low, high = ptx_sim.run(ti8._ASM_FIFTH_BITS.value, [ptx_sim.pack([bits] * 4), ptx_sim.pack([sc] * 4)], 2)
+        low, high = ptx_sim.run(ti8._ASM_FIFTH_BITS.value, [bits] * 4 + [sc] * 4, 2)
         assert ptx_sim.unpack(low) == [sc * (bits >> (2 * b) & 1) for b in range(4)]
         assert ptx_sim.unpack(high) == [sc * (bits >> (2 * b + 1) & 1) for b in range(4)]
+        (splat,) = ptx_sim.run(ti8._ASM_SPLAT.value, [sc] * 4, 1)
+        assert ptx_sim.unpack(splat) == [sc] * 4
 
 
 def test_ptx_q6_k_codes() -> None:
@@ -268,11 +270,11 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K") ->
     constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True,
                       PDL=True)  # fmt: skip
     ptx = compile_sm90(ti8._q4_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
-    # `_scale_halves` (and Q5_K's `_fifth_bits`) take four codes by the first one's scale: their
-    # operands must be in the dot's operand layout with 4, 8 or 16 consecutive K values of a row
-    # per register
+    # `_scale_halves`, `_as_int8` (and Q5_K's `_fifth_bits`) take four codes by the first one's
+    # scale: their operands must be in the dot's operand layout with 4, 8 or 16 consecutive K
+    # values of a row per register
     asm = [line for line in ptx.splitlines() if "elementwise_inline_asm" in line and "mul.lo.u32" in line]
-    assert len(asm) == (3 if type_name == "Q5_K" else 2)
+    assert len(asm) == (4 if type_name == "Q5_K" else 3)
     for op in asm:
         assert re.search(r"tensor<\d+x\d+xi8, #ttg\.dot_op<\{opIdx = 0, parent = #mma, kWidth = (4|8|16)\}>", op), op
     if mma_sync:

@@ -45,7 +45,10 @@ Measured (benchmarks/bench_gguf_gpu.py `i8`, 16 tokens, the Q4_K linears of a Ll
 layer, CUDA-graph replays, weights from memory, x's launch included), on an H100: q|k 20.0 us
 (the fused kernel 37.2, cuBLAS bf16 16.9), o 14.8 (30.9, 15.8), gate|up 60.0 (178.0, 83.8),
 down 34.8 (87.9, 45.1): 129.6 us a layer against 333.9 fused and 161.7 bf16 (1.25x bf16),
-20-38 % of copy bandwidth, issue-bound. Earlier versions: the nibbles joined into K-ordered
+20-38 % of copy bandwidth, issue-bound (that version: 8.6 instructions a byte, 618 a step; the
+scales since handed to the asm as int32 registers and the minimum spread by a multiplication,
+where Triton packed four int8 copies with byte permutes: 7.5, 538 a step; Q5_K 11.2 -> 9.4;
+not yet timed). Earlier versions: the nibbles joined into K-ordered
 codes first (byte permutes for every operand register): 145.9 us against bf16's 118.9 on an
 H200; one K=32 dot per sub-block with its scale applied to the int32 result before the next (a
 wait on every dot): 250.5 against 170.2 on an H100.
@@ -58,7 +61,7 @@ TB/s), 14.8 for the fused kernel on Q6_K's down projection (24.7 a byte, 80 us: 
 Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with wgmma on 4 warps,
 7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
 warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x); Q5_K: 11.2 on
-Q4_K's launch (wgmma), 36.6 fused (about 3x); IQ4_XS: 10.0 with mma.sync, 11.7 with wgmma, 21.0
+Q4_K's launch (wgmma) then 9.4, 36.6 fused (about 3x); IQ4_XS: 10.0 with mma.sync, 11.7 with wgmma, 21.0
 fused (about 2x); with mma.sync, Q4_0 9.5 against 18.9, Q4_1 10.0 against 17.4, Q5_0 10.9
 against 22.1, Q5_1 11.1 against 20.5, IQ4_NL 10.7 against 16.3. The rule takes
 mma.sync where each small dot would wait under wgmma; the first GPU run must confirm it
@@ -148,12 +151,13 @@ if triton is not None:
     _ASM_Q5_0 = tl.constexpr(_NIBBLES + _FIFTH + _offset(16) + "mov.b32 $0, n; }")
     _ASM_Q5_1 = tl.constexpr(_NIBBLES + _FIFTH + "mov.b32 $0, n; }")
     _ASM_SCALE_HALVES = tl.constexpr(
-        "{ .reg .b32 h, l; and.b32 h, $3, 0xFF; and.b32 l, $4, 0xFF; mul.lo.u32 $0, $2, h; mul.lo.u32 $1, $2, l; }"
+        "{ .reg .b32 h, l; shr.b32 h, $3, 3; and.b32 l, $3, 7; mul.lo.u32 $0, $2, h; mul.lo.u32 $1, $2, l; }"
     )  # fmt: skip
+    _ASM_SPLAT = tl.constexpr("mul.lo.u32 $0, $1, 0x01010101;")
     _ASM_FIFTH_BITS = tl.constexpr(
-        "{ .reg .b32 t, u, s; and.b32 s, $3, 0xFF; and.b32 t, $2, 0x55; mul.lo.u32 t, t, 0x41041; "
-        "and.b32 t, t, 0x01010101; mul.lo.u32 $0, t, s; shr.b32 u, $2, 1; and.b32 u, u, 0x55; "
-        "mul.lo.u32 u, u, 0x41041; and.b32 u, u, 0x01010101; mul.lo.u32 $1, u, s; }"
+        "{ .reg .b32 t, u; and.b32 t, $2, 0x55; mul.lo.u32 t, t, 0x41041; "
+        "and.b32 t, t, 0x01010101; mul.lo.u32 $0, t, $6; shr.b32 u, $2, 1; and.b32 u, u, 0x55; "
+        "mul.lo.u32 u, u, 0x41041; and.b32 u, u, 0x01010101; mul.lo.u32 $1, u, $6; }"
     )  # fmt: skip
     _ASM_Q6_K = tl.constexpr(
         "{ .reg .b32 n, h, t; and.b32 t, $4, 0xFF; shr.b32 n, $2, t; and.b32 n, n, 0x0F0F0F0F; "
@@ -168,33 +172,46 @@ if triton is not None:
     )  # fmt: skip
 
     @triton.jit
-    def _scale_halves(codes, s_hi, s_lo, ASM: tl.constexpr):
-        """Codes (int8, 0..15) and their sub-block's scale halves s_hi, s_lo (0..7, per code) ->
-        (code x s_hi, code x s_lo) as int8 (at most 105). GPU: four codes a register and one
+    def _scale_halves(codes, sc, ASM: tl.constexpr):
+        """Codes (int8, 0..15) and their sub-block's 6-bit scale sc (int32, per code) -> (code x
+        (sc >> 3), code x (sc & 7)) as int8 (at most 105). GPU: four codes a register and one
         32-bit multiplication for their four products (none carries into the next byte), by the
         first code's scale half: the four codes an asm instance packs must share their scale,
         which holds for the operand of the dot (four consecutive K values of one row, inside one
         sub-block's run of 16 bytes in a nibble plane), the layout Triton gives this op (tests/quant/test_gguf_i8.py checks
-        it in the sm_90 compile; the load-time self-check in triton_gguf.py checks the results)."""
+        it in the sm_90 compile; the load-time self-check in triton_gguf.py checks the results).
+        sc is int32 so that the asm takes the first code's register as it is (four int32 operands
+        an instance, $3 .. $6): as int8 Triton would pack four copies with byte permutes."""
         if ASM:
-            return tl.inline_asm_elementwise(_ASM_SCALE_HALVES, "=r,=r,r,r,r", [codes, s_hi, s_lo],
+            return tl.inline_asm_elementwise(_ASM_SCALE_HALVES, "=r,=r,r,r,r,r,r", [codes, sc],
                                              dtype=(tl.int8, tl.int8), is_pure=True, pack=4)  # fmt: skip
         else:
             c = codes.to(tl.int32)
-            return (c * s_hi.to(tl.int32)).to(tl.int8), (c * s_lo.to(tl.int32)).to(tl.int8)
+            return (c * (sc >> 3)).to(tl.int8), (c * (sc & 7)).to(tl.int8)
+
+    @triton.jit
+    def _as_int8(v, ASM: tl.constexpr):
+        """int32 values in -128..127 -> int8, equal in runs of four operand positions (a sub-block's
+        minimum at its codes). GPU: one multiplication spreads a run's value to the four bytes of
+        its register, where Triton would pack four int8s with byte permutes."""
+        if ASM:
+            return tl.inline_asm_elementwise(_ASM_SPLAT, "=r,r,r,r,r", [v], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            return v.to(tl.int8)
 
     @triton.jit
     def _fifth_bits(bits, scale, ASM: tl.constexpr):
         """Q5_K: for the codes of a low-plane byte (its low nibble: code 2b of its word, high
         nibble: 2b + 1), their sub-block's scale where their fifth bit is set, else 0, as int8 (at
         most 63): (low nibbles', high nibbles'). bits: the word's byte of the fifth-bit plane (bit
-        p: code p), scale: the sub-block's 6-bit scale, both per code byte. GPU: four bytes a
+        p: code p), scale: the sub-block's 6-bit scale, both int32 per code byte (the asm takes
+        an instance's first registers, $2 and $6, as `_scale_halves` does). GPU: four bytes a
         register (b = 0..3 of one word, the operand layout as `_scale_halves`): bits 2b (or 2b + 1)
         spread to byte b by one multiplication (x 0x41041 on bits 0, 2, 4, 6 lands them on bits 0,
         8, 16, 24, nothing else there), then one more by the scale."""
         if ASM:
-            return tl.inline_asm_elementwise(_ASM_FIFTH_BITS, "=r,=r,r,r", [bits, scale], dtype=(tl.int8, tl.int8),
-                                             is_pure=True, pack=4)  # fmt: skip
+            return tl.inline_asm_elementwise(_ASM_FIFTH_BITS, "=r,=r,r,r,r,r,r,r,r,r", [bits, scale],
+                                             dtype=(tl.int8, tl.int8), is_pure=True, pack=4)  # fmt: skip
         else:
             b = 2 * (tl.arange(0, bits.shape[1]) % 4)[None, :]
             s = scale.to(tl.int32)
@@ -326,20 +343,19 @@ if triton is not None:
             dm = _row_scalar(smin_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
             dx = tl.load(dx_ptr + tok * n_blocks + it, mask=tok_ok, other=0.0) * part_w
             lo, hi = nibbles_i8(wb, ASM)  # [BN, 128]: byte i's codes, sub-block i // 16
-            s_hi = _per_byte(sc >> 3, BN, 8, 16)
-            s_lo = _per_byte(sc & 7, BN, 8, 16)
-            # sc * code = 8 (s_hi code) + s_lo code, each product an int8; the minimum's dots take
+            sc_k = _per_byte(sc.to(tl.int32), BN, 8, 16)
+            # sc * code = 8 ((sc >> 3) code) + (sc & 7) code, each product an int8; the minimum's dots take
             # mn at every code position of its sub-block
-            lo_h, lo_l = _scale_halves(lo, s_hi, s_lo, ASM)
-            hi_h, hi_l = _scale_halves(hi, s_hi, s_lo, ASM)
+            lo_h, lo_l = _scale_halves(lo, sc_k, ASM)
+            hi_h, hi_l = _scale_halves(hi, sc_k, ASM)
             d_hi = tl.dot(hi_h, x_hi, tl.dot(lo_h, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             d_lo = tl.dot(hi_l, x_hi, tl.dot(lo_l, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
-            mn_b = _per_byte(mn.to(tl.int8), BN, 8, 16)
+            mn_b = _as_int8(_per_byte(mn.to(tl.int32), BN, 8, 16), ASM)
             d_mn = tl.dot(mn_b, x_hi, tl.dot(mn_b, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             d_sc = 8 * d_hi + d_lo
             if FIVE:  # sc (code + 16 bit) = sc code + 16 (sc bit): sc where the fifth bit is set
-                bits = _per_byte(tl.load(hi_rows + it * 32, mask=row_ok[:, None], other=0), BN, 32, 4)
-                lo_5, hi_5 = _fifth_bits(bits, _per_byte(sc, BN, 8, 16), ASM)
+                bits = _per_byte(tl.load(hi_rows + it * 32, mask=row_ok[:, None], other=0).to(tl.int32), BN, 32, 4)
+                lo_5, hi_5 = _fifth_bits(bits, sc_k, ASM)
                 d_sc += 16 * tl.dot(hi_5, x_hi, tl.dot(lo_5, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             acc += (d_sc.to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
         _store(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
