@@ -76,7 +76,7 @@ def test_supports() -> None:
 
 
 def test_iq4_tables_are_the_levels() -> None:
-    """`_nibble_values`' byte-permute tables hold IQ4_KVALUES (level i: byte i % 4 of word i // 4), its
+    """`_iq4_values`' byte-permute tables hold IQ4_KVALUES (level i: byte i % 4 of word i // 4), its
     asm (`_ASM_IQ4`) spells them as these words, and the interpreter path as their int32 values."""
     import inspect
 
@@ -85,7 +85,7 @@ def test_iq4_tables_are_the_levels() -> None:
 
     levels = torch.tensor(IQ4_TABLES, dtype=torch.int64)[:, None] >> (8 * torch.arange(4)) & 0xFF
     assert torch.equal((levels ^ 0x80) - 0x80, torch.tensor(IQ4_KVALUES).reshape(4, 4))
-    source = inspect.getsource(ti8._nibble_values.fn)
+    source = inspect.getsource(ti8._iq4_values.fn)
     for word in IQ4_TABLES:
         assert f"0x{word:08X}" in ti8._ASM_IQ4.value and str(word - (1 << 32) if word >= 1 << 31 else word) in source
 
@@ -101,11 +101,17 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     lo = packed["lo"].contiguous()
     if type_name == "Q8_0":  # the stored bytes, as the kernel loads them
         operands = lo.long()
-    elif type_name in ("IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):  # each word's 8 codes in turn
+    elif type_name in ("IQ4_XS", "IQ4_NL"):  # each word's 8 codes in turn
         operands = ((lo.long().reshape(8, -1, 1) & 0xFFFFFFFF) >> (4 * torch.arange(8)) & 15).reshape(8, K)
+    elif type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # per group: its 16 bytes' low nibbles, then high
+        b = lo.view(torch.uint8).long().reshape(8, -1, 1, 16)
+        operands = torch.cat([b & 15, b >> 4], 2).reshape(8, -1, 32)
         if "hi" in packed:  # Q5_0, Q5_1: the fifth-bit plane's byte w holds word w's codes' bits
-            bits = packed["hi"].contiguous().view(torch.uint8).long().reshape(8, -1, 1)
-            operands = operands | ((bits >> torch.arange(8)) & 1).reshape(8, K) << 4
+            bits = packed["hi"].contiguous().view(torch.uint8).long().reshape(8, -1, 4)
+            t = torch.arange(32) % 16
+            code = 2 * (t % 4) + torch.arange(32) // 16  # operand position -> code of its word
+            operands = operands | ((bits[:, :, t // 4] >> code) & 1) << 4
+        operands = operands.reshape(8, K)
     elif type_name == "Q6_K":  # per sub-block: its 8 low-plane bytes' low nibbles, then high ones
         b = lo.view(torch.uint8).long().reshape(8, -1, 1, 8)
         low = torch.cat([b & 15, b >> 4], 2).reshape(8, -1, 16)
@@ -227,7 +233,8 @@ def test_ptx_q6_k_codes() -> None:
 
 @pytest.mark.parametrize("nib", [1, 2, 3, 4, 5])
 def test_ptx_nibble_values(nib: int) -> None:
-    """Q4_0, IQ4, Q4_1, Q5_0, Q5_1: codes 4h .. 4h + 3 of a word (and their fifth bits)."""
+    """Q4_0, Q4_1, Q5_0, Q5_1: four bytes' low or high nibbles (and their fifth bits); IQ4: codes
+    4h .. 4h + 3 of a word."""
     from paphos.quant.gguf.dequant import IQ4_KVALUES
 
     rng = np.random.default_rng(13 + nib)
@@ -235,13 +242,14 @@ def test_ptx_nibble_values(nib: int) -> None:
     asm = {1: ti8._ASM_Q4_0, 2: ti8._ASM_IQ4, 3: ti8._ASM_Q4_1, 4: ti8._ASM_Q5_0, 5: ti8._ASM_Q5_1}[nib].value
     for _ in range(300):
         word, half, fifth = int(rng.integers(0, 1 << 32)), int(rng.integers(0, 2)), int(rng.integers(0, 256))
-        (got,) = ptx_sim.run(asm, [word, ptx_sim.pack([16 * half] * 4), ptx_sim.pack([fifth] * 4)], 1)
-        codes = [(word >> (4 * (4 * half + i))) & 15 for i in range(4)]
         if nib == 2:
-            want = [IQ4_KVALUES[c] for c in codes]
-        else:
-            if nib >= 4:
-                codes = [c | ((fifth >> (4 * half + i)) & 1) << 4 for i, c in enumerate(codes)]
+            (got,) = ptx_sim.run(asm, [word, ptx_sim.pack([16 * half] * 4)], 1)
+            want = [IQ4_KVALUES[(word >> (4 * (4 * half + i))) & 15] for i in range(4)]
+        else:  # int32 operands: four registers an instance, all holding the run's value
+            (got,) = ptx_sim.run(asm, [word] + [4 * half] * 4 + [fifth] * 4, 1)
+            codes = [(word >> (8 * i + 4 * half)) & 15 for i in range(4)]
+            if nib >= 4:  # byte i holds codes 2i and 2i + 1 of its word
+                codes = [c | ((fifth >> (2 * i + half)) & 1) << 4 for i, c in enumerate(codes)]
             want = [c - {1: 8, 3: 0, 4: 16, 5: 0}[nib] for c in codes]
         assert ptx_sim.unpack(got) == want, (nib, hex(word), half, fifth)
 
@@ -288,7 +296,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K") ->
 def _groups(rows: int, k: int, type_name: str) -> None:
     """A type of `_group_kernel` at the rule's launch: an mma.sync per 32-value group and 16 tokens,
     the two x parts joined in int32 in registers (no shuffles), no spills, PDL; the 4-bit types'
-    `_nibble_values` on runs of four operand positions (as `_chunks` checks)."""
+    `_linear_nibbles` / `_iq4_values` on runs of four operand positions (as `_chunks` checks)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
     cfg = ti8.i8_config(type_name, rows, k, 16)
@@ -305,7 +313,7 @@ def _groups(rows: int, k: int, type_name: str) -> None:
     assert "shfl" not in ptx and "wgmma" not in ptx
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
     if nib:
-        _four_positions_a_register(ptx, "0x9D8C" if nib == 2 else "0x5140")
+        _four_positions_a_register(ptx, "0x9D8C" if nib == 2 else "0x0F0F0F0F")
 
 
 def _four_positions_a_register(ptx: str, mark: str) -> None:
@@ -322,7 +330,7 @@ def _four_positions_a_register(ptx: str, mark: str) -> None:
 
 def _chunks(rows: int, k: int, type_name: str) -> None:
     """Q6_K or IQ4_XS at the rule's launch: mma.sync per chunk of 32 values and 16 tokens (two for
-    Q6_K), no spills, PDL; the code assembly (`_q6_k_codes`, `_nibble_values`) reads four
+    Q6_K), no spills, PDL; the code assembly (`_q6_k_codes`, `_iq4_values`) reads four
     consecutive operand positions a register, the first at k % 4 == 0 (in the dot operand's
     layout, or a blocked one holding runs of 4, 8 or 16 along K)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8

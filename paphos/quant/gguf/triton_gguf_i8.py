@@ -23,8 +23,9 @@ segment of a supported type (`supports`); two launches per linear (x quantized o
        (`_fifth_bits`: the bits spread to bytes by one multiplication, times sc by another).
      - `_group_kernel`: eight 32-value groups a step, each with an fp16 scale. Q8_0: the stored
        bytes are the int8 operand as they are (no unpacking); Q4_0 (code - 8), Q4_1 (code),
-       Q5_0 (code5 - 16), Q5_1 (code5) and IQ4_NL (the IQ4 levels): the group's 4 low-plane
-       words (and fifth-bit word) make it (`_nibble_values`). Per group one K=32 dot, its two
+       Q5_0 (code5 - 16), Q5_1 (code5): the group's 16 low-plane bytes, their low nibbles then
+       their high nibbles (and the fifth bits), make it (`_linear_nibbles`: two instructions a
+       register); IQ4_NL (the IQ4 levels): its 4 words (`_iq4_values`). Per group one K=32 dot, its two
        parts joined in int32 (254 D1 + D2, in registers), times the scale in float32, plus Q4_1's
        and Q5_1's minimum times x's sum over the group (x_blocks writes sums per 32 for them);
        per step times dx / 254.
@@ -36,7 +37,7 @@ segment of a supported type (`supports`); two launches per linear (x quantized o
        int8 MMA's K is at least 32: a sub-block alone is half of it); then d dx / 254 in float32.
      - `_chunk_kernel`, IQ4_XS (IQ4): eight 32-value sub-blocks a step. A value is d sc L[q],
        L the 16 non-uniform levels (IQ4_KVALUES, at most 127 in size), sc a signed 6-bit scale:
-       a low-plane word's 8 codes are two registers of levels (`_nibble_values`: the codes are the
+       a low-plane word's 8 codes are two registers of levels (`_iq4_values`: the codes are the
        selector of byte permutes over the level tables), one dot a sub-block, sc D in int32.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
@@ -62,8 +63,9 @@ Q8_0: 2.87 on 2 warps with mma.sync (no waits), 3.75 and a wait per group with w
 7.2 fused (so about 2.5x the fused kernel's speed, up to the copy bandwidth); Q6_K: 9.8 on 2
 warps with mma.sync, 11.1 and a wait per dot with wgmma, 24.7 fused (1.6-2.5x); Q5_K: 11.2 on
 Q4_K's launch (wgmma) then 9.4, 36.6 fused (about 3x); IQ4_XS: 10.0 with mma.sync, 11.7 with wgmma, 21.0
-fused (about 2x); with mma.sync, Q4_0 9.5 against 18.9, Q4_1 10.0 against 17.4, Q5_0 10.9
-against 22.1, Q5_1 11.1 against 20.5, IQ4_NL 10.7 against 16.3. The rule takes
+fused (about 2x); with mma.sync, Q4_0 8.2 against 18.9, Q4_1 8.5 against 17.4, Q5_0 9.6
+against 22.1, Q5_1 9.9 against 20.5 (9.5, 10.0, 10.9, 11.1 with IQ4_NL's word layout and a byte
+permute a register), IQ4_NL 10.7 against 16.3. The rule takes
 mma.sync where each small dot would wait under wgmma; the first GPU run must confirm it
 (`--sections i8` sweeps both MMA kinds). An earlier Q8_0 trial on the first Q4_K version's path
 (a wgmma and its wait per group) ran a layer in 178 us against the fused kernel's 170.
@@ -89,7 +91,7 @@ except ImportError:  # CPU-only installs: the torch reference (planes.reference_
     triton = None
 
 # IQ4_KVALUES as four int32 words of four int8 levels (level i: byte i % 4 of word i // 4), the
-# tables of `_nibble_values`' byte permutes
+# tables of `_iq4_values`' byte permutes
 IQ4_TABLES = (0xBFAD9881, 0xF6EADDCF, 0x26190D01, 0x71594535)
 XB = 256  # K values per x block: one dx per token and block, the kernel's K step
 # Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS), in
@@ -114,17 +116,22 @@ def stream_order(type_name: str) -> torch.Tensor:
     planes.py): codes 2b (low) and 2b + 1 (high) of word w. Q8_0: the 256 bytes as stored, byte
     4w + p of a 16-value tile group holding value p * 4 + w. Q6_K: per 16-value sub-block (two
     words of the low plane, T = 2), the low nibbles of its 8 bytes, then their high nibbles
-    (`_q6_k_codes`). IQ4_XS, Q4_0, IQ4_NL: per 32-value group (a tile group, T = 4) its words' 8
-    codes in turn (`_nibble_values`)."""
+    (`_q6_k_codes`). IQ4_XS, IQ4_NL: per 32-value group (a tile group, T = 4) its words' 8 codes
+    in turn (`_iq4_values`). Q4_0, Q4_1, Q5_0, Q5_1: per 32-value group, the low nibbles of its
+    16 bytes, then their high nibbles, byte b being byte b % 4 of word b // 4 (codes 2 (b % 4)
+    and + 1), as Q4_K's sub-blocks (`_linear_nibbles`)."""
     j = torch.arange(XB)
     if type_name == "Q8_0":
         return j // 16 * 16 + j % 4 * 4 + j % 16 // 4
     if type_name == "Q6_K":
         sub, word, byte, high = j // 16, j % 8 // 4, j % 4, j % 16 // 8
         return sub * 16 + (2 * byte + high) * 2 + word
-    if type_name in ("IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"):
+    if type_name in ("IQ4_XS", "IQ4_NL"):
         return j // 32 * 32 + j % 8 * 4 + j % 32 // 8
-    high, byte = j // 128, j % 128
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):  # 16 bytes a group, their low nibbles first
+        high, t = j % 32 // 16, j % 16
+        return j // 32 * 32 + (2 * (t % 4) + high) * 4 + t // 4
+    high, byte = j // 128, j % 128  # 128 bytes a super-block, 16 a sub-block
     t = byte % 16
     return byte // 16 * 32 + (2 * (t % 4) + high) * 4 + t // 4
 
@@ -133,15 +140,15 @@ def stream_order(type_name: str) -> torch.Tensor:
 
 if triton is not None:
     # The inline PTX of the code assembly below (module constants so that tests/quant/ptx_sim.py can
-    # run each on chosen registers). `_nibble_values`' for the linear 4- and 5-bit types: a word's
-    # four codes spread to bytes by a byte permute ($1 the word, $2 its code shift 0 / 16), the
-    # fifth bits of a 5-bit type ($3: the fifth-bit plane's byte of the word, bit p code p)
-    # spread by one multiplication (x 0x204081 lands bits 0-3 on bits 0, 8, 16, 24, nothing else
-    # there), the offset taken off with no carry between bytes ((q + 0x80 - off) ^ 0x80)
-    _NIBBLES = ("{ .reg .b32 w, y, t, n, h; and.b32 t, $2, 0xFF; shr.b32 w, $1, t; shr.b32 y, w, 4; "
-                "prmt.b32 n, w, y, 0x5140; and.b32 n, n, 0x0F0F0F0F; ")
-    _FIFTH = ("shr.b32 t, t, 2; and.b32 h, $3, 0xFF; shr.b32 h, h, t; and.b32 h, h, 0xF; "
-              "mul.lo.u32 h, h, 0x204081; and.b32 h, h, 0x01010101; shl.b32 h, h, 4; or.b32 n, n, h; ")
+    # run each on chosen registers). `_linear_nibbles`' for the linear 4- and 5-bit types: four
+    # bytes' low or high nibbles ($1 the bytes, $2 the nibble shift 0 / 4), the fifth bits of a
+    # 5-bit type ($6: the fifth-bit plane's byte of the bytes' word, bit p code p, the bytes'
+    # codes 2b + nibble) spread by one multiplication (x 0x41041 on bits 0, 2, 4, 6 lands them on
+    # bits 0, 8, 16, 24, nothing else there), the offset taken off with no carry between bytes
+    # ((q + 0x80 - off) ^ 0x80)
+    _NIBBLES = "{ .reg .b32 t, n, h; shr.b32 n, $1, $2; and.b32 n, n, 0x0F0F0F0F; "
+    _FIFTH = ("shr.b32 t, $2, 2; shr.b32 h, $6, t; and.b32 h, h, 0x55; mul.lo.u32 h, h, 0x41041; "
+              "and.b32 h, h, 0x01010101; shl.b32 h, h, 4; or.b32 n, n, h; ")
 
     def _offset(off: int) -> str:
         return f"add.u32 n, n, {(0x80 - off) * 0x01010101:#010x}; xor.b32 n, n, 0x80808080; "
@@ -228,40 +235,52 @@ if triton is not None:
         return tl.reshape(tl.broadcast_to(tl.sum(runs, axis=2)[:, :, None], runs.shape), b.shape)
 
     @triton.jit
-    def _nibble_values(words, code_shift, fifth, NIB: tl.constexpr, ASM: tl.constexpr):
-        """A group's 4-bit codes -> their values as int8, by NIB (`_GROUP_TYPES`): 1 Q4_0 code - 8,
-        2 IQ4's levels (IQ4_KVALUES), 3 Q4_1 code, 4 Q5_0 code5 - 16, 5 Q5_1 code5 (code5: the code
-        and its fifth bit). Per operand position: words, byte k % 4 of the low-plane word holding
-        its code (a word's 8 codes, code p at bits 4p); code_shift, 0 for codes 0-3 of the word,
-        16 for codes 4-7; fifth (5-bit types), the fifth-bit plane's byte of that word (bit p:
-        code p). GPU: four positions a register (the word itself); IQ4: the four codes are the
-        selector of two byte permutes over the level tables and a third turns each code's bit 3
-        into a byte mask choosing between them; the others as `_ASM_Q4_0` .. `_ASM_Q5_1` say."""
+    def _linear_nibbles(b, nib_shift, fifth, NIB: tl.constexpr, ASM: tl.constexpr):
+        """A group's 4- or 5-bit codes -> their values as int8, by NIB (`_GROUP_TYPES`): 1 Q4_0 code
+        - 8, 3 Q4_1 code, 4 Q5_0 code5 - 16, 5 Q5_1 code5 (code5: the code and its fifth bit). Per
+        operand position k (0..31): b, byte k % 16 of the group's 16 low-plane bytes (uint8);
+        nib_shift (int32), 0 for positions 0-15 (the bytes' low nibbles), 4 for 16-31 (their high
+        nibbles): the layout of a GGUF block, which the mma operand takes as it is (a register:
+        four positions of a row in a run of four); fifth (int32, 5-bit types), the fifth-bit
+        plane's byte of the word holding byte k % 16 (bit p: the word's code p; byte k % 4 of the
+        word holds codes 2 (k % 4) and + 1). GPU: four positions a register, as `_ASM_Q4_0` ..
+        `_ASM_Q5_1` say; the int32 operands' first register of an instance is read."""
         if ASM:
             if NIB == 1:
                 body: tl.constexpr = _ASM_Q4_0
-            elif NIB == 2:
-                body: tl.constexpr = _ASM_IQ4
             elif NIB == 3:
                 body: tl.constexpr = _ASM_Q4_1
             elif NIB == 4:
                 body: tl.constexpr = _ASM_Q5_0
             else:
                 body: tl.constexpr = _ASM_Q5_1
-            return tl.inline_asm_elementwise(body, "=r,r,r,r", [words, code_shift, fifth], dtype=tl.int8,
+            return tl.inline_asm_elementwise(body, "=r,r,r,r,r,r,r,r,r,r", [b, nib_shift, fifth], dtype=tl.int8,
                                              is_pure=True, pack=4)  # fmt: skip
+        else:
+            code = (b.to(tl.int32) >> nib_shift) & 15
+            if NIB >= 4:
+                p = 2 * (tl.arange(0, b.shape[1]) % 4)[None, :] + nib_shift // 4  # the code's index in its word
+                code = code | (((fifth >> p) & 1) << 4)
+            off: tl.constexpr = 8 if NIB == 1 else (16 if NIB == 4 else 0)
+            return (code - off).to(tl.int8)
+
+    @triton.jit
+    def _iq4_values(words, code_shift, ASM: tl.constexpr):
+        """IQ4_NL's and IQ4_XS's 4-bit codes -> their levels (IQ4_KVALUES) as int8. Per operand
+        position: words, byte k % 4 of the low-plane word holding its code (a word's 8 codes, code p
+        at bits 4p); code_shift, 0 for codes 0-3 of the word, 16 for codes 4-7. GPU: four positions
+        a register (the word itself), the four codes the selector of two byte permutes over the
+        level tables and a third turning each code's bit 3 into a byte mask choosing between them."""
+        if ASM:
+            return tl.inline_asm_elementwise(_ASM_IQ4, "=r,r,r", [words, code_shift], dtype=tl.int8, is_pure=True,
+                                             pack=4)  # fmt: skip
         else:
             shift = code_shift.to(tl.int32) // 4 + (tl.arange(0, words.shape[1]) % 4)[None, :]  # the code's index
             code = (_run_words(words) >> (4 * shift)) & 15
-            if NIB == 2:
-                # the asm's tables (IQ4_TABLES): four levels a word, byte code % 4 of word code // 4
-                table = tl.where(code < 8, tl.where(code < 4, -1079142271, -152379953),
-                                 tl.where(code < 12, 639175937, 1901675829))  # fmt: skip
-                return ((((table >> (8 * (code % 4))) & 0xFF) ^ 0x80) - 0x80).to(tl.int8)
-            if NIB >= 4:
-                code = code | (((fifth.to(tl.int32) >> shift) & 1) << 4)
-            off: tl.constexpr = 8 if NIB == 1 else (16 if NIB == 4 else 0)
-            return (code - off).to(tl.int8)
+            # the asm's tables (IQ4_TABLES): four levels a word, byte code % 4 of word code // 4
+            table = tl.where(code < 8, tl.where(code < 4, -1079142271, -152379953),
+                             tl.where(code < 12, 639175937, 1901675829))  # fmt: skip
+            return ((((table >> (8 * (code % 4))) & 0xFF) ^ 0x80) - 0x80).to(tl.int8)
 
     @triton.jit
     def _q6_k_codes(lo, hi, nib_shift, hi_shift, second, ASM: tl.constexpr):
@@ -372,8 +391,9 @@ if triton is not None:
         docstring): per group one K=32 int8 dot, its two parts joined in int32, times d in float32,
         plus the group's fp16 minimum m times x's sum over the group (Q4_1, Q5_1); per x block of
         256 values the sum times dx. NIB 0 (Q8_0): the stored int8 bytes are the operand, w_ptr the
-        code plane; else the group's 4 low-plane words (bytes at w_ptr) and, for Q5_0 / Q5_1, its
-        fifth-bit word (bytes at hi_ptr) give its 32 values (`_nibble_values`). d_ptr: the scales,
+        code plane; else the group's 16 low-plane bytes (at w_ptr) and, for Q5_0 / Q5_1, its
+        fifth-bit bytes (at hi_ptr) give its 32 values (`_linear_nibbles`; IQ4_NL: `_iq4_values`
+        on its 4 words). d_ptr: the scales,
         m_ptr: the minimums, sum_ptr: x's sums per 32 values (read for Q4_1 and Q5_1 only)."""
         rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
                                                                                 BM, 32, PDL)  # fmt: skip
@@ -385,9 +405,12 @@ if triton is not None:
         MIN: tl.constexpr = NIB == 3 or NIB == 5
         if NIB == 0:
             w_rows = w_ptr + r64[:, None] * K + k[None, :]
-        else:  # word k // 8, its codes 4 (k % 8 // 4) .. + 3: the word again for the second four
+        elif NIB == 2:  # word k // 8, its codes 4 (k % 8 // 4) .. + 3: the word again for the second four
             w_rows = w_ptr + r64[:, None] * (K // 2) + (k // 8 * 4 + k % 4)[None, :]
             code_shift = tl.broadcast_to((16 * (k % 8 // 4)).to(tl.int8)[None, :], (BN, 32))
+        else:  # byte k % 16: its low nibble, then again for its high nibble
+            w_rows = w_ptr + r64[:, None] * (K // 2) + (k % 16)[None, :]
+            nib_shift = tl.broadcast_to((4 * (k // 16))[None, :], (BN, 32))
             hi_rows = hi_ptr + r64[:, None] * (K // 8) + tl.arange(0, 4)[None, :]  # byte w: word w's bits
         d_rows = d_ptr + r64 * (K // 32)
         part_w = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2: x / dx * 254
@@ -400,13 +423,17 @@ if triton is not None:
                 d = tl.load(d_rows + g, mask=row_ok, other=0).to(tl.float32)
                 if NIB == 0:
                     wv = tl.load(w_rows + g * 32, mask=row_ok[:, None], other=0)
+                elif NIB == 2:
+                    wv = _iq4_values(tl.load(w_rows + g * 16, mask=row_ok[:, None], other=0), code_shift, ASM)
                 else:
-                    words = tl.load(w_rows + g * 16, mask=row_ok[:, None], other=0)
+                    wb = tl.load(w_rows + g * 16, mask=row_ok[:, None], other=0)
                     if FIVE:
-                        fifth = _per_byte(tl.load(hi_rows + g * 4, mask=row_ok[:, None], other=0), BN, 4, 8)
+                        # position k: word k % 16 // 4's byte
+                        fifth = _per_byte(tl.load(hi_rows + g * 4, mask=row_ok[:, None], other=0).to(tl.int32), BN, 4, 4)
+                        fifth = tl.reshape(tl.broadcast_to(fifth[:, None, :], (BN, 2, 16)), (BN, 32))
                     else:
-                        fifth = words  # (unread)
-                    wv = _nibble_values(words, code_shift, fifth, NIB, ASM)
+                        fifth = nib_shift  # (unread)
+                    wv = _linear_nibbles(wb, nib_shift, fifth, NIB, ASM)
                 xb = tl.load(x_cols + g * 32, mask=x_ok, other=0)
                 dot = x_blocks.sum_parts(tl.dot(wv, xb, out_dtype=tl.int32) * part_w[None, :], BN, BM)
                 step += dot.to(tl.float32) * d[:, None]
@@ -464,7 +491,7 @@ if triton is not None:
                 xb = tl.load(x_cols + it * 256 + c * 32, mask=x_ok, other=0)
                 if IQ4:
                     sc = tl.load(sc_rows + it * 8 + c, mask=row_ok, other=0).to(tl.int32)
-                    step += sc[:, None] * tl.dot(_nibble_values(lo, code_shift, lo, 2, ASM), xb, out_dtype=tl.int32)
+                    step += sc[:, None] * tl.dot(_iq4_values(lo, code_shift, ASM), xb, out_dtype=tl.int32)
                 else:
                     hw = tl.load(hi_rows + it * 64 + c * 8, mask=row_ok[:, None], other=0)
                     sc_a = tl.load(sc_rows + it * 16 + 2 * c, mask=row_ok, other=0).to(tl.int32)
