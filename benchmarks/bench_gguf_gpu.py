@@ -15,7 +15,7 @@ after every section so a timeout keeps what finished):
              the best installed in GEMV_CONFIGS; GB/s of the planes read and fraction of copy
              BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight); an integer-dot
              call includes its launch quantizing x
-  i8         the int8 tensor-core kernels (triton_gguf_i8: every type but Q2_K / Q3_K) per shape at --i8-ms tokens: its
+  i8         the int8 tensor-core kernel (triton_gguf_i8: Q4_K, Q5_K) per shape at --i8-ms tokens: its
              default launch and a sweep of tiles / warps / stages / K split targets (the best installed in triton_gguf_i8.TUNED_CONFIGS for the engine
              sections after it), beside the fused kernel and cuBLAS bf16 on the same shape
              (CUDA-graph replays cycling through copies larger than L2; times include x's
@@ -255,8 +255,7 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
     return out
 
 
-# (type, shape name, N, K) of the int8 path: the Q4_K and Q6_K segments of a Q4_K_M layer and its
-# head, the Q8_0 linears of a Q8_0 layer and its head
+# (type, shape name, N, K) of the int8 path: the Q4_K segments of a Q4_K_M layer, a Q5_K gate|up
 I8_SHAPES = tuple(s for s in GEMV_SHAPES if ti8.supports(s[0], s[3]))
 
 
@@ -324,19 +323,15 @@ def section_i8(bench: Bench) -> dict[str, Any]:
                   f"cuBLAS bf16 {row['cublas_bf16_us']:.1f}; err {row['max_rel_err']:.1e}", flush=True)  # fmt: skip
         del seg, raw, ref_w, w16, w16s, copies
     torch.cuda.empty_cache()
-    for type_name, what in (("Q4_K", "Q4_K linears of a Q4_K_M layer"), ("Q6_K", "Q6_K linears of a Q4_K_M layer"),
-                            ("Q8_0", "linears of a Q8_0 layer")):  # fmt: skip
-        for m in ms:  # summed per path (the Q8_0 head apart)
-            rows = [v for key, v in out.items() if key.startswith(f"{type_name} ") and key.endswith(f" M{m}")
-                    and " head " not in key]  # fmt: skip
-            if not rows:
-                continue
-            tot = {c: sum(r[c] for r in rows) for c in ("cublas_bf16_us", "fused_us", "best_us")}
-            tot["default_us"] = sum(r["default_us"] or math.nan for r in rows)
-            out[f"{what} M{m}"] = tot
-            print(f"i8 {what} ({len(rows)}) M{m}: int8 {tot['default_us']:.1f} us (best launches "
-                  f"{tot['best_us']:.1f}), fused {tot['fused_us']:.1f}, bf16 {tot['cublas_bf16_us']:.1f} (x bf16: "
-                  f"{tot['cublas_bf16_us'] / tot['default_us']:.2f})", flush=True)  # fmt: skip
+    what = "Q4_K linears of a Q4_K_M layer"
+    for m in ms:  # summed per path
+        rows = [v for key, v in out.items() if key.startswith("Q4_K ") and key.endswith(f" M{m}")]
+        tot = {c: sum(r[c] for r in rows) for c in ("cublas_bf16_us", "fused_us", "best_us")}
+        tot["default_us"] = sum(r["default_us"] or math.nan for r in rows)
+        out[f"{what} M{m}"] = tot
+        print(f"i8 {what} ({len(rows)}) M{m}: int8 {tot['default_us']:.1f} us (best launches "
+              f"{tot['best_us']:.1f}), fused {tot['fused_us']:.1f}, bf16 {tot['cublas_bf16_us']:.1f} (x bf16: "
+              f"{tot['cublas_bf16_us'] / tot['default_us']:.2f})", flush=True)  # fmt: skip
     return out
 
 

@@ -8,7 +8,11 @@ tensor-core waits (wgmma `WARPGROUP.DEPBAR`) per KiB of weights, registers and s
 Why: the kernels are issue-bound (benchmarks/README.md), and the measured Q4_K versions rank as
 their counts do: the one-dot-per-sub-block version (12.0 instructions a byte, with 76 global loads
 a step inside its loop) streamed half the final one's bytes per second (8.6, 20 loads); so the
-counts rank launches and versions where no GPU is at hand. They are not a timing:
+counts rank launches and versions of one kernel where no GPU is at hand (the Q4_K kernel's
+scale-register change: 8.6 -> 7.5 a byte, 129.6 -> 118.8 us a layer). They do not rank kernels
+of different shapes: the per-group int8 kernels for Q8_0, Q6_K and Q4_0 counted 2.3-2.5x fewer
+instructions a byte than the fused kernel and ran 0.66-0.96x its speed (barriers and shared-memory
+round trips the count does not weigh; triton_gguf_i8's docstring). They are not a timing:
 benchmarks/bench_gguf_gpu.py `i8` is.
 
     python benchmarks/int8_sass.py [--out counts.json]
@@ -38,14 +42,6 @@ KERNELS = {
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=False), 144),
     "Q5_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=True), 176),
-    **{name: (ti8._group_kernel, {"sum_ptr": "*i32", "w_ptr": "*i8" if nib == 0 else "*u8", "hi_ptr": "*u8",
-                                  "d_ptr": "*fp16", "m_ptr": "*fp16"}, dict(iters_per_split=4), dict(NIB=nib),
-              8 * planes.type_size(name))  # fmt: skip
-       for name, nib in ti8._GROUP_TYPES.items()},
-    "Q6_K": (ti8._chunk_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
-             dict(iters_per_split=4), dict(IQ4=False), 210),
-    "IQ4_XS": (ti8._chunk_kernel, {"lo_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i8", "sd_ptr": "*fp16"},
-               dict(iters_per_split=4), dict(IQ4=True), 136),
     "W4g128": (triton_int_i8._gemm_kernel, {"sum_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"},
                dict(stride_w=2048, group_shift=7, iters_per_split=8), dict(BITS=4, HAS_Z=False), 66),
 }  # fmt: skip
@@ -121,7 +117,7 @@ def main() -> None:
             rows.append(r)
             print(f"{name:7} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
-    for type_name in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", *ti8._GROUP_TYPES):
+    for type_name in ti8.TYPES:
         r = count_fused(type_name)
         rows.append(r)
         print(f"{type_name:7} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",

@@ -1,5 +1,5 @@
-"""A simulator for the straight-line 32-bit PTX the GGUF int8 kernels' inline asm uses (and, or,
-xor, not, shl, shr, add, mul.lo, prmt, mov on .b32 / .u32 registers and immediates), so that CPU
+"""A simulator for the straight-line 32-bit PTX the GGUF int8 kernel's inline asm uses (and, shr,
+mul.lo on .b32 / .u32 registers and immediates), so that CPU
 tests can run each asm body on chosen registers and compare it with the kernel's interpreter
 path, which is all the Triton interpreter ever runs."""
 
@@ -8,20 +8,6 @@ from __future__ import annotations
 import re
 
 MASK = 0xFFFFFFFF
-
-
-def _prmt(a: int, b: int, c: int) -> int:
-    """PTX prmt.b32 default mode: bytes b3..b0 a3..a0 numbered 7..0; selector nibble j picks result
-    byte j (bits 0-2: the byte, bit 3: replicate its sign bit)."""
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for j in range(4):
-        sel = (c >> (4 * j)) & 0xF
-        byte = pool[sel & 7]
-        if sel & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * j)
-    return out
 
 
 def run(asm: str, inputs: list[int], outputs: int) -> list[int]:
@@ -45,28 +31,12 @@ def run(asm: str, inputs: list[int], outputs: int) -> list[int]:
         v = [val(a) for a in src]
         if name == "and":
             r = v[0] & v[1]
-        elif name == "or":
-            r = v[0] | v[1]
-        elif name == "xor":
-            r = v[0] ^ v[1]
-        elif name == "not":
-            r = ~v[0]
-        elif name == "shl":
-            r = v[0] << v[1] if v[1] < 32 else 0
         elif name == "shr":
             assert op.endswith((".u32", ".b32")), op  # logical shifts only
             r = v[0] >> v[1] if v[1] < 32 else 0
-        elif name == "add":
-            r = v[0] + v[1]
         elif name == "mul":
             assert op == "mul.lo.u32", op
             r = v[0] * v[1]
-        elif name == "neg":
-            r = -v[0]
-        elif name == "prmt":
-            r = _prmt(v[0], v[1], v[2])
-        elif name == "mov":
-            r = v[0]
         else:
             raise ValueError(f"unsupported PTX op {op!r}")
         regs[dst] = r & MASK

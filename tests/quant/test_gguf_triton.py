@@ -222,7 +222,7 @@ def test_int8_path_failing_its_self_check_leaves_the_fused_kernel(tg, monkeypatc
     the layer stays on the Triton kernels and 2-32 tokens take the fused kernel."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
-    layer, shards, w = _merged_layer(tg, ("Q8_0",), (16,))
+    layer, shards, w = _merged_layer(tg, ("Q4_K",), (16,))
     wrong = []
 
     def off_by_one(out: torch.Tensor, *args: object, **kwargs: object) -> None:
@@ -235,7 +235,7 @@ def test_int8_path_failing_its_self_check_leaves_the_fused_kernel(tg, monkeypatc
     kernel = tg.TritonGGUFKernel(matmul=False)
     kernel.prepare(layer, shards, torch.float32)
     assert kernel.fallback is None and wrong == [5, 16, 29]  # checked at 5, 16, 29 tokens, then left out
-    assert tg._INT8_FAILED == {("Q8_0", "cpu")}
+    assert tg._INT8_FAILED == {("Q4_K", "cpu")}
     x = torch.randn(16, K)
     assert _rel(kernel.apply(layer, x), x @ w.t()) < 1e-2 and wrong == [5, 16, 29]
 

@@ -7,9 +7,9 @@ whose shards all have a format in `FORMATS` -> `prepare` repacks each run of sam
 raw blocks -> `apply(x)` -> `matmul`:
   - M == 1 (batch-1 decode, the head of one sampled row): `gemv_matmul`, triton_gemv's kernel for
     every linear format (the fused kernel below for IQ4 and Q3_K segments).
-  - M <= triton_gguf_i8.I8_MAX_TOKENS (32): the segments of every type but Q2_K / Q3_K through
-    triton_gguf_i8's int8 tensor-core kernels (`i8_matmul`; the others, and a type whose int8
-    kernel failed its load-time check, through the fused kernel).
+  - M <= triton_gguf_i8.I8_MAX_TOKENS (32): the Q4_K and Q5_K segments through triton_gguf_i8's
+    int8 tensor-core kernel (`i8_matmul`; the others, and a type whose int8 kernel failed its
+    load-time check, through the fused kernel).
   - M <= FUSED_MAX_TOKENS rows: `_fused_kernel`, one launch per segment; each program owns BLOCK_N
     output rows and a slice of K (split-K), reads its packed planes once and accumulates in fp32;
     M == 1 multiplies and sums on the CUDA cores, 1 < M uses `tl.dot` on the dequantized bf16 tile
