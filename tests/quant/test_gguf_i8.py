@@ -114,7 +114,7 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
     cases = ((2, ti8.I8Config(32, 16, 1, 2)), (9, ti8.I8Config(16, 16, 2, 1)), (16, ti8.I8Config(64, 16, 2)),
-             (29, ti8.I8Config(16, 16, 2)))  # two token tiles  # fmt: skip
+             (29, ti8.I8Config(16, 16, 2)), (29, ti8.I8Config(32, 32, 2)))  # two token tiles, one  # fmt: skip
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
@@ -184,18 +184,18 @@ def test_gguf_i8_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
     check_compiles_in_child("tests.quant.test_gguf_i8", CASES, triton_path)
 
 
-def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K") -> None:
-    """Q4_K (or Q5_K): the launch `i8_config` picks at 16 tokens for a [rows, k] weight (or a
+def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", tokens: int = 16) -> None:
+    """Q4_K (or Q5_K): the launch `i8_config` picks at `tokens` for a [rows, k] weight (or a
     32-row mma.sync program)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
-    cfg = ti8.i8_config(type_name, rows, k, 16)
+    cfg = ti8.i8_config(type_name, rows, k, tokens)
     if mma_sync:
         cfg = ti8.I8Config(32, 16, cfg.split_k, 2, 3)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
             "w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
             "smin_ptr": "*fp16"}  # fmt: skip
-    ints = dict(M=16, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
+    ints = dict(M=tokens, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
     constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True,
                       PDL=True)  # fmt: skip
@@ -211,13 +211,15 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K") ->
         assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.satfinite\.s32\.s8\.s8", ptx)
         return
     # the scaled codes in registers: `{%r..}, {%r..}, descriptor`
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.s32\.s8\.s8 \{[^}]*\}, \{%r", ptx)
+    n = 2 * cfg.block_m  # both x parts side by side
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.s32\.s8\.s8 \{{[^}}]*\}}, \{{%r", ptx)
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 
 CASES = {
     "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
     "q5_k-gate_up": (_gemm, 28672, 4096, False, "Q5_K"), "q5_k-down": (_gemm, 4096, 14336, False, "Q5_K"),
+    "32-tokens-gate_up": (_gemm, 28672, 4096, False, "Q4_K", 32), "32-tokens-o": (_gemm, 4096, 4096, False, "Q4_K", 32),
 }  # fmt: skip
 
 

@@ -66,10 +66,8 @@ except ImportError:  # CPU-only installs: the torch reference (planes.reference_
     triton = None
 
 XB = 256  # K values per x block: one dx per token and block, the kernel's K step
-# Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS), in
-# tiles of 16 tokens (with 32 a tile ptxas spills). 17-32 tokens, two tiles, were not measured:
-# at most twice the 16-token time (H100: 259 us for a layer's Q4_K linears), below the fused
-# kernel's 340 us at 32 tokens; at 64, four tiles' 518 us would not be.
+# Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS): Q4_K
+# in one tile of 32 tokens from 17 on (`i8_config`), Q5_K in two of 16 (32 a tile spills there).
 I8_MAX_TOKENS = 32
 
 TYPES = ("Q4_K", "Q5_K")
@@ -240,13 +238,16 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], I8Config] = {}
 
 
 def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
-    """The launch at M tokens (16 per program, the token tiles of a row tile side by side in the
-    grid so the second reads the weights from L2): 64 rows, 3 stages, K split while the grid stays
+    """The launch at M tokens (16 per program; Q4_K above 16 tokens 32 per program, which
+    decodes each weight once for twice the tokens: 9.8 instructions a weight byte against two
+    16-token tiles' 15.3 in benchmarks/int8_sass.py's count, no spills; Q5_K spills at 32: its
+    token tiles side by side in the grid, so the second reads the weights from L2): 64 rows, 3
+    stages, K split while the grid stays
     within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks
     (q|k 2 slices, o and down 4), 4 warps (wgmma: the H100 and H200 sweeps' winners; 32 rows on 2
     warps with mma.sync came 1.0-1.4x slower, 16 rows on 1 warp level on gate|up and 1.05-1.4x
     slower elsewhere). A per-shape entry of TUNED_CONFIGS wins."""
-    bm = 16
+    bm = 32 if type_name == "Q4_K" and m > 16 else 16
     tuned = TUNED_CONFIGS.get((type_name, rows, k, bm))
     if tuned is not None:
         return tuned
