@@ -8,7 +8,7 @@
   (planes.reference_matmul) within 1e-4 of max|ref| (x's quantization; the integer sums are
   exact), at 2, 9, 16 and 29 tokens (two token tiles), one and several K slices, masked rows and
   tokens, 16- to 64-row programs.
-- `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS tokens for the Q4_K and Q5_K
+- `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS[type] tokens for the Q4_K and Q5_K
   segments, the fused kernel for a layer's other segments, x quantized once per type.
 - Every inline PTX body (the operand assembly the interpreter never runs) in a PTX simulator
   (tests/quant/ptx_sim.py) on random registers, against the same arithmetic.
@@ -126,7 +126,8 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """A layer of Q4_K, Q6_K, Q3_K and Q5_K segments (a Q4_K_M q|k|v with v in the middle, a Q3_K
     and a Q5_K one): Q4_K and Q5_K take the int8 path with x quantized once per type, Q6_K and
-    Q3_K the fused kernel; one token stays on the GEMV, I8_MAX_TOKENS + 1 leaves the path."""
+    Q3_K the fused kernel; one token stays on the GEMV, and each type leaves the path above its
+    I8_MAX_TOKENS (Q5_K 32, Q4_K 64)."""
     types, rows = ("Q4_K", "Q6_K", "Q3_K", "Q5_K"), (32, 16, 8, 24)
     raws = [_raw(t, r, K, 7 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
     segs, start = [], 0
@@ -138,15 +139,15 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(ti8, "quantize_x", lambda x, t: quantized.append((x.shape[0], t)) or quantize(x, t))
     monkeypatch.setattr(ti8, "matmul_into", lambda o, q, s, c=None: gemms.append((o.shape[0], s.rows)) or gemm(o, q, s, c))
     gen = torch.Generator().manual_seed(9)
-    for m in (1, 3, ti8.I8_MAX_TOKENS, ti8.I8_MAX_TOKENS + 1):
+    q5, q4 = ti8.I8_MAX_TOKENS["Q5_K"], ti8.I8_MAX_TOKENS["Q4_K"]
+    for m in (1, 3, q5, q5 + 1, q4, q4 + 1):
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         ref = torch.cat([planes.reference_matmul(r, t, x) for r, t in zip(raws, types, strict=True)], 1)
         got = tg.matmul(x, segs, start)
         assert got.dtype == torch.bfloat16 and got.shape == (m, start)
         assert _rel(got, ref) < 1e-2, m
-    top = ti8.I8_MAX_TOKENS
-    assert quantized == [(m, t) for m in (3, top) for t in ("Q4_K", "Q5_K")]
-    assert gemms == [(m, r) for m in (3, top) for r in (32, 24)]
+    assert quantized == [(m, t) for m in (3, q5) for t in ("Q4_K", "Q5_K")] + [(q5 + 1, "Q4_K"), (q4, "Q4_K")]
+    assert gemms == [(m, r) for m in (3, q5) for r in (32, 24)] + [(q5 + 1, 32), (q4, 32)]
 
 
 # ---------------------------------------------------------------------------- the inline PTX

@@ -7,8 +7,8 @@ whose shards all have a format in `FORMATS` -> `prepare` repacks each run of sam
 raw blocks -> `apply(x)` -> `matmul`:
   - M == 1 (batch-1 decode, the head of one sampled row): `gemv_matmul`, triton_gemv's kernel for
     every linear format (the fused kernel below for IQ4 and Q3_K segments).
-  - M <= triton_gguf_i8.I8_MAX_TOKENS (32): the Q4_K and Q5_K segments through triton_gguf_i8's
-    int8 tensor-core kernel (`i8_matmul`; the others, and a type whose int8 kernel failed its
+  - M <= triton_gguf_i8.I8_MAX_TOKENS[type] (Q4_K 64, Q5_K 32): those segments through
+    triton_gguf_i8's int8 tensor-core kernel (`i8_matmul`; the others, and a type whose int8 kernel failed its
     load-time check, through the fused kernel).
   - M <= FUSED_MAX_TOKENS rows: `_fused_kernel`, one launch per segment; each program owns BLOCK_N
     output rows and a slice of K (split-K), reads its packed planes once and accumulates in fp32;
@@ -368,12 +368,12 @@ def default_gemv_config(type_name: str, rows: int, k: int) -> GemvConfig:
 
 def matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
     """x [M, K] (contiguous) -> [M, n_total] in x's dtype: the GEMV at one token, the int8
-    tensor-core kernels up to I8_MAX_TOKENS for the types they take, the fused kernel up to
+    tensor-core kernel up to I8_MAX_TOKENS[type] for the types it takes, the fused kernel up to
     FUSED_MAX_TOKENS tokens, dequantize + cuBLAS above."""
     m = x.shape[0]
     if m == 1:
         return gemv_matmul(x, segments, n_total)
-    if m <= triton_gguf_i8.I8_MAX_TOKENS and any(_int8_path(s) for s in segments):
+    if any(_int8_path(s, m) for s in segments):
         return i8_matmul(x, segments, n_total)
     if m <= FUSED_MAX_TOKENS:
         return fused_matmul(x, segments, n_total)
@@ -455,7 +455,7 @@ def i8_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.T
     xq: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for seg in segments:
         dst = out[:, seg.row_start : seg.row_start + seg.rows]
-        if _int8_path(seg):
+        if _int8_path(seg, x.shape[0]):
             if seg.type_name not in xq:
                 xq[seg.type_name] = triton_gguf_i8.quantize_x(x, seg.type_name)
             triton_gguf_i8.matmul_into(dst, xq[seg.type_name], seg)
@@ -547,8 +547,9 @@ _VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}
 _INT8_FAILED: set[tuple[str, str]] = set()
 
 
-def _int8_path(seg: Segment) -> bool:
-    return triton_gguf_i8.supports(seg.type_name, seg.k) and (seg.type_name, str(seg.planes["lo"].device)) not in _INT8_FAILED
+def _int8_path(seg: Segment, m: int) -> bool:
+    return (triton_gguf_i8.supports(seg.type_name, seg.k) and m <= triton_gguf_i8.I8_MAX_TOKENS[seg.type_name]
+            and (seg.type_name, str(seg.planes["lo"].device)) not in _INT8_FAILED)  # fmt: skip
 
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -557,8 +558,8 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _self_check(seg: Segment, dtype: torch.dtype) -> bool:
     """Once per (type, device, dtype): the kernels on the first rows of a real layer against the
-    torch reference (M = 1, 5, 16 and the dequant path). The int8 path first, on its own (5, 16
-    and 29 tokens: one and two token tiles): if it fails to compile or disagrees it is logged and
+    torch reference (M = 1, 5, 16 and the dequant path). The int8 path first, on its own (5, 16,
+    29 and 61 tokens: one and two token tiles): if it fails to compile or disagrees it is logged and
     left out (batched decode keeps the fused kernel). Then False (logged) if the others fail, and
     the layer falls back to dequantize-at-load."""
     dev = seg.planes["lo"].device
@@ -572,8 +573,8 @@ def _self_check(seg: Segment, dtype: torch.dtype) -> bool:
         w = torch.empty(rows, seg.k, dtype=torch.float32, device=dev)
         dequant_into(sub, 0, rows, w)
         gen = torch.Generator(device=dev).manual_seed(0)
-        xs = [torch.randn(m, seg.k, device=dev, generator=gen).to(dtype) for m in (1, 5, 16, 29)]
-        if _int8_path(sub):
+        xs = [torch.randn(m, seg.k, device=dev, generator=gen).to(dtype) for m in (1, 5, 16, 29, 61)]
+        if _int8_path(sub, 2):
             try:
                 errs = [_relative_error(i8_matmul(x, [sub], rows), x.float() @ w.t()) for x in xs[1:]]
                 failure = None if max(errs) <= 1e-2 else f"relative error {max(errs):.3g}"

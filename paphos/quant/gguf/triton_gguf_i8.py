@@ -27,7 +27,10 @@ weights from memory, x's launch included), on an H100, us: Q4_K q|k 18.7 (the fu
 cuBLAS bf16 16.9), o 14.0 (31.0, 16.6), gate|up 54.7 (178.4, 83.4), down 31.4 (87.7, 45.0): a
 Q4_K_M layer's Q4_K linears in 118.8 against 334.6 fused and 161.9 bf16 (1.36x bf16), 22-42 % of
 copy bandwidth, issue-bound; Q5_K gate|up 75.8 (188.7 fused). The engine on a Q4_K_M file
-decodes 16 sequences at 1.05x its bf16 speed (2540 against 2412 tok/s). Before the scales went
+decodes 16 sequences at 1.02-1.05x its bf16 speed (2540 against 2412 tok/s; 2529 against 2483).
+In 32-token tiles (`i8_config`): the four at 32 tokens 158.8 (fused 341.9, bf16 155.7; two
+16-token tiles would take ~237), at 64 tokens in two tiles 279.9 (fused 366.2, bf16 159.6);
+the engine at batch 32 went 3726 -> 4195 tok/s (bf16 4946). Before the scales went
 to the asm as int32 registers and the minimum was spread by one multiplication (Triton packs
 four int8 copies with byte permutes): 129.6 a layer (the static count of benchmarks/int8_sass.py:
 8.6 instructions a weight byte, now 7.5; Q5_K 11.2, now 9.4). Earlier versions: the nibbles
@@ -66,9 +69,11 @@ except ImportError:  # CPU-only installs: the torch reference (planes.reference_
     triton = None
 
 XB = 256  # K values per x block: one dx per token and block, the kernel's K step
-# Up to this many tokens a step the int8 path runs (above: the fused kernel, then cuBLAS): Q4_K
-# in one tile of 32 tokens from 17 on (`i8_config`), Q5_K in two of 16 (32 a tile spills there).
-I8_MAX_TOKENS = 32
+# Up to this many tokens a step the int8 path runs per type (above: the fused kernel, then
+# cuBLAS): Q4_K in tiles of 32 tokens from 17 on (`i8_config`; a Q4_K_M layer's Q4_K linears at
+# 64 tokens 279.9 us against the fused kernel's 366.2, H100), Q5_K in tiles of 16 (32 a tile
+# spills there; at 64 tokens 232.2 against the fused kernel's 226.9 on gate|up).
+I8_MAX_TOKENS = {"Q4_K": 64, "Q5_K": 32}
 
 TYPES = ("Q4_K", "Q5_K")
 
