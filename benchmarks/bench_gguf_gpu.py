@@ -292,7 +292,7 @@ def section_i8(bench: Bench) -> dict[str, Any]:
             dst = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
             def run(cfg: ti8.I8Config | None, s: tg.Segment, v: torch.Tensor = x, d: torch.Tensor = dst) -> None:
-                ti8.matmul_into(d, ti8.quantize_x(v, s.type_name), s, cfg)
+                ti8.matmul_into(d, ti8.quantize_x(v), s, cfg)
 
             ti8.TUNED_CONFIGS.pop((type_name, n, k, 16), None)
             default = ti8.i8_config(type_name, n, k, m)

@@ -117,7 +117,7 @@ def main() -> None:
             rows.append(r)
             print(f"{name:7} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
-    for type_name in ti8.TYPES:
+    for type_name in ti8.I8_MAX_TOKENS:
         r = count_fused(type_name)
         rows.append(r)
         print(f"{type_name:7} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",

@@ -6,10 +6,10 @@
   half a step of dx / 254.
 - The GEMM under the interpreter against dequantize-then-float32-matmul
   (planes.reference_matmul) within 1e-4 of max|ref| (x's quantization; the integer sums are
-  exact), at 2, 9, 16 and 29 tokens (two token tiles), one and several K slices, masked rows and
+  exact), at 2, 9, 16 and 29 tokens (two 16-token tiles, one 32-token tile), one and several K slices, masked rows and
   tokens, 16- to 64-row programs.
 - `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS[type] tokens for the Q4_K and Q5_K
-  segments, the fused kernel for a layer's other segments, x quantized once per type.
+  segments, the fused kernel for a layer's other segments, x quantized once.
 - Every inline PTX body (the operand assembly the interpreter never runs) in a PTX simulator
   (tests/quant/ptx_sim.py) on random registers, against the same arithmetic.
 - The kernel compiles for sm_90 with both tritons in the rule's launches, no spills, PDL: wgmma
@@ -74,7 +74,7 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     raw = _raw(type_name, 8, K, 1)
     fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size(type_name)), type_name)
     natural = fields["q"].reshape(8, K).long()
-    order = stream_order(type_name)
+    order = stream_order()
     assert sorted(order.tolist()) == list(range(256))
     packed = planes.repack(raw, type_name)
     # per super-block: its bytes' low nibbles, then high (Q5_K: each with its fifth bit)
@@ -95,14 +95,14 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     x[1, 256:512] = 0  # an all-zero block: dx 0, parts 0
     x[2, :256] *= 1000
-    parts, dx, sums = ti8.quantize_x(x, "Q4_K")
-    ref = x_blocks.reference_quantize(x, stream_order("Q4_K"), 256, 256)
+    parts, dx, sums = ti8.quantize_x(x)
+    ref = x_blocks.reference_quantize(x, stream_order(), 256, 256)
     assert parts.shape == (2, 5, 768) and dx.shape == (5, 3) and sums.shape == (5, 3)
     assert torch.equal(parts, ref[0]) and torch.equal(dx, ref[1]) and torch.equal(sums, ref[2])
     assert not parts[:, 1, 256:512].any() and dx[1, 1] == 0
     q = parts.float()
     rep = (q[0] + q[1] / 254) * dx.repeat_interleave(256, 1)  # the represented x, within half a step
-    source = x.float()[:, (torch.arange(0, 768, 256).reshape(-1, 1) + stream_order("Q4_K")).reshape(-1)]
+    source = x.float()[:, (torch.arange(0, 768, 256).reshape(-1, 1) + stream_order()).reshape(-1)]
     assert ((rep - source).abs() <= dx.repeat_interleave(256, 1) / 508 * 1.01).all()
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
@@ -118,14 +118,14 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
-        ti8.matmul_into(out, ti8.quantize_x(x, type_name), seg, cfg)
+        ti8.matmul_into(out, ti8.quantize_x(x), seg, cfg)
         assert _rel(out, planes.reference_matmul(raw, type_name, x)) < 1e-4, (m, cfg)
         assert not counters.any()  # every split tile's counter is back to zero
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """A layer of Q4_K, Q6_K, Q3_K and Q5_K segments (a Q4_K_M q|k|v with v in the middle, a Q3_K
-    and a Q5_K one): Q4_K and Q5_K take the int8 path with x quantized once per type, Q6_K and
+    and a Q5_K one): Q4_K and Q5_K take the int8 path with x quantized once (their shared order), Q6_K and
     Q3_K the fused kernel; one token stays on the GEMV, and each type leaves the path above its
     I8_MAX_TOKENS (Q5_K 32, Q4_K 64)."""
     types, rows = ("Q4_K", "Q6_K", "Q3_K", "Q5_K"), (32, 16, 8, 24)
@@ -136,7 +136,7 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
         start += raw.shape[0]
     quantized, gemms = [], []
     quantize, gemm = ti8.quantize_x, ti8.matmul_into
-    monkeypatch.setattr(ti8, "quantize_x", lambda x, t: quantized.append((x.shape[0], t)) or quantize(x, t))
+    monkeypatch.setattr(ti8, "quantize_x", lambda x: quantized.append(x.shape[0]) or quantize(x))
     monkeypatch.setattr(ti8, "matmul_into", lambda o, q, s, c=None: gemms.append((o.shape[0], s.rows)) or gemm(o, q, s, c))
     gen = torch.Generator().manual_seed(9)
     q5, q4 = ti8.I8_MAX_TOKENS["Q5_K"], ti8.I8_MAX_TOKENS["Q4_K"]
@@ -146,7 +146,7 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
         got = tg.matmul(x, segs, start)
         assert got.dtype == torch.bfloat16 and got.shape == (m, start)
         assert _rel(got, ref) < 1e-2, m
-    assert quantized == [(m, t) for m in (3, q5) for t in ("Q4_K", "Q5_K")] + [(q5 + 1, "Q4_K"), (q4, "Q4_K")]
+    assert quantized == [3, q5, q5 + 1, q4]
     assert gemms == [(m, r) for m in (3, q5) for r in (32, 24)] + [(q5 + 1, 32), (q4, 32)]
 
 

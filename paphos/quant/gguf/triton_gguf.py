@@ -448,17 +448,15 @@ def fused_matmul(
 
 
 def i8_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.Tensor:
-    """x [M, K] -> [M, n_total]: triton_gguf_i8 for the segments it supports (x quantized once per
-    type),
-    the fused kernel for the others."""
+    """x [M, K] -> [M, n_total]: triton_gguf_i8 for the segments it takes at M tokens (x quantized
+    once), the fused kernel for the others."""
     out = torch.empty(x.shape[0], n_total, dtype=x.dtype, device=x.device)
-    xq: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    xq = None
     for seg in segments:
         dst = out[:, seg.row_start : seg.row_start + seg.rows]
         if _int8_path(seg, x.shape[0]):
-            if seg.type_name not in xq:
-                xq[seg.type_name] = triton_gguf_i8.quantize_x(x, seg.type_name)
-            triton_gguf_i8.matmul_into(dst, xq[seg.type_name], seg)
+            xq = xq or triton_gguf_i8.quantize_x(x)
+            triton_gguf_i8.matmul_into(dst, xq, seg)
         else:
             dst.copy_(fused_matmul(x, [seg.alone()], seg.rows))
     return out

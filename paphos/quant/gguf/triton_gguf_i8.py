@@ -2,8 +2,9 @@
 repacked planes (planes.py) of Q4_K and Q5_K (the bulk of Q4_K_M and Q5_K_M files); the other
 types keep triton_gguf's fused kernel (why: the end of this docstring).
 
-Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
-segment of a supported type (`supports`); two launches per linear (x quantized once per type):
+Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x), seg)` for each segment of
+a supported type (`supports`); two launches per linear (x quantized once: Q4_K and Q5_K share
+the code order):
   1. paphos/quant/kernels/x_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
      with one dx per token and block of XB = 256 values, in the order the kernel multiplies the
      plane's codes (`stream_order`).
@@ -75,16 +76,14 @@ XB = 256  # K values per x block: one dx per token and block, the kernel's K ste
 # spills there; at 64 tokens 232.2 against the fused kernel's 226.9 on gate|up).
 I8_MAX_TOKENS = {"Q4_K": 64, "Q5_K": 32}
 
-TYPES = ("Q4_K", "Q5_K")
-
 
 def supports(type_name: str, k: int) -> bool:
-    return type_name in TYPES and k % XB == 0
+    return type_name in I8_MAX_TOKENS and k % XB == 0
 
 
-def stream_order(type_name: str) -> torch.Tensor:
-    """[XB] int64: position j of a quantized x block holds value stream_order(type_name)[j] of the
-    block, the order of the codes in the kernel's operands (Q4_K and Q5_K share the low plane):
+def stream_order() -> torch.Tensor:
+    """[XB] int64: position j of a quantized x block holds value stream_order()[j] of the block,
+    the order of the codes in the kernel's operands (Q4_K and Q5_K share the low plane):
     the low nibbles of the super-block's 128 bytes, then their high nibbles; byte i is byte 4w + b
     of sub-block i // 16's tile group (T = 4 words; code p of word w is value p * 4 + w,
     planes.py): codes 2b (low) and 2b + 1 (high) of word w."""
@@ -162,27 +161,6 @@ if triton is not None:
         return tl.reshape(tl.broadcast_to(t[:, :, None], (BN, S, R)), (BN, S * R))
 
     @triton.jit
-    def _program(q_ptr, M, N, K, iters_per_split, BN: tl.constexpr, BM: tl.constexpr, KB: tl.constexpr,
-                 PDL: tl.constexpr):  # fmt: skip
-        """Every kernel's start: the wait for the kernel before, then x_blocks.program_tile of this
-        program (grid: token tiles, row tiles, K slices) and the pointers to the first KB positions
-        of its x operand's columns."""
-        pdl.release(PDL)
-        pdl.wait(PDL)
-        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
-            tl.program_id(1), tl.program_id(0), tl.program_id(2), N, M, K // 256, iters_per_split, BN, BM
-        )
-        return rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_blocks.part_pointers(q_ptr, first, tok, M, K, KB)
-
-    @triton.jit
-    def _store(out_t, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, SPLIT: tl.constexpr,
-               ASM: tl.constexpr):  # fmt: skip
-        """Every kernel's end: its out^T tile [rows, tokens] through split_k.store_tile."""
-        split_k.store_tile(out_t, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
-                           tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
-                           tl.num_programs(2), SPLIT, ASM)  # fmt: skip
-
-    @triton.jit
     def _row_scalar(ptr, rows, row_ok, per_row, at):
         return tl.load(ptr + rows.to(tl.int64) * per_row + at, mask=row_ok, other=0)
 
@@ -196,9 +174,13 @@ if triton is not None:
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
         per program along grid axis 2 (module docstring). w_ptr: the low code plane as bytes; with
         FIVE (Q5_K) hi_ptr: the fifth-bit plane as bytes (unread otherwise)."""
-        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1, x_cols = _program(q_ptr, M, N, K, iters_per_split, BN,
-                                                                                BM, 128, PDL)  # fmt: skip
+        pdl.release(PDL)
+        pdl.wait(PDL)
         n_blocks = K // 256
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
+            tl.program_id(1), tl.program_id(0), tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
+        )
+        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 128)
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
         w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, 128)[None, :]
@@ -231,8 +213,9 @@ if triton is not None:
                 lo_5, hi_5 = _fifth_bits(bits, sc_k, ASM)
                 d_sc += 16 * tl.dot(hi_5, x_hi, tl.dot(lo_5, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             acc += (d_sc.to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
-        _store(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
-               SPLIT, ASM)  # fmt: skip
+        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
+                           N, stride_om, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
+                           tl.num_programs(2), SPLIT, ASM)  # fmt: skip
 
 # ---------------------------------------------------------------------------- launches
 
@@ -243,13 +226,11 @@ TUNED_CONFIGS: dict[tuple[str, int, int, int], I8Config] = {}
 
 
 def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
-    """The launch at M tokens (16 per program; Q4_K above 16 tokens 32 per program, which
-    decodes each weight once for twice the tokens: 9.8 instructions a weight byte against two
-    16-token tiles' 15.3 in benchmarks/int8_sass.py's count, no spills; Q5_K spills at 32: its
-    token tiles side by side in the grid, so the second reads the weights from L2): 64 rows, 3
-    stages, K split while the grid stays
-    within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks
-    (q|k 2 slices, o and down 4), 4 warps (wgmma: the H100 and H200 sweeps' winners; 32 rows on 2
+    """The launch at M tokens: 16 per program, Q4_K 32 above 16 tokens (each weight decoded once
+    for twice the tokens: 158.8 us for a Q4_K_M layer's Q4_K linears at 32 tokens, H100; Q5_K
+    spills at 32), the token tiles side by side in the grid so the next reads the weights from L2;
+    64 rows, 3 stages, K split while the grid stays within `programs_per_sm` programs per
+    multiprocessor and each slice keeps two super-blocks (q|k 2 slices, o and down 4), 4 warps (wgmma: the H100 and H200 sweeps' winners; 32 rows on 2
     warps with mma.sync came 1.0-1.4x slower, 16 rows on 1 warp level on gate|up and 1.05-1.4x
     slower elsewhere). A per-shape entry of TUNED_CONFIGS wins."""
     bm = 32 if type_name == "Q4_K" and m > 16 else 16
@@ -261,14 +242,13 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     blocks, split = k // XB, 1
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
-    return I8Config(block_n, bm, split, num_warps=4, num_stages=3)
+    return I8Config(block_n, bm, split, num_stages=3)
 
 
-def quantize_x(x: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> the (parts, dx, sums) of x_blocks in `type_name`'s stream order; the kernel
-    reads the parts and dx (the minimum has a dot of its own, not x's sums)."""
-    order = x_blocks.device_order(type_name, x.device, lambda: stream_order(type_name))
-    return x_blocks.quantize(x, order, XB, XB)
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> the (parts, dx, sums) of x_blocks in `stream_order`; the kernel reads the
+    parts and dx (the minimum has a dot of its own, not x's sums)."""
+    return x_blocks.quantize(x, x_blocks.device_order("Q4_K", x.device, stream_order), XB, XB)
 
 
 def matmul_into(
@@ -276,8 +256,8 @@ def matmul_into(
     cfg: I8Config | None = None,
 ) -> None:  # fmt: skip
     """out [M, seg.rows] (a column slice of the linear's output, unit stride on rows) = x W^T of
-    one segment of a supported type (triton_gguf.Segment), from `quantize_x` in that type's
-    order; `cfg` overrides `i8_config`."""
+    one segment of a supported type (triton_gguf.Segment), from `quantize_x`; `cfg` overrides
+    `i8_config`."""
     parts, dx, _ = xq
     m, k = out.shape[0], seg.k
     n = seg.rows
