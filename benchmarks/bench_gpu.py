@@ -127,11 +127,11 @@ def print_profile(title: str, prof: dict[str, Any]) -> None:
         print(f"   {k['ms_per_call']:8.4f} ms  x{k['count_per_call']:6.1f}  {k['name']}")
 
 
-def profile_decode(llm: LLM, vocab: int) -> dict[str, Any]:
-    """kernel_profile of batch-1 decode engine steps (a 128-token prompt, past its prefill)."""
+def profile_decode(llm: LLM, vocab: int, batch: int = 1) -> dict[str, Any]:
+    """kernel_profile of decode engine steps of `batch` 128-token prompts, past their prefill."""
     engine = llm.engine
-    engine.add_request("profile", random_prompts(1, 128, vocab, 3)[0],
-                       SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    for i, prompt in enumerate(random_prompts(batch, 128, vocab, 3)):
+        engine.add_request(f"profile-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
     for _ in range(8):
         engine.step()
     try:

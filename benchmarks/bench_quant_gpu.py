@@ -173,8 +173,9 @@ def run_engine(bench: Bench, path: Path | None, **extra: Any) -> dict[str, Any]:
         times = [engine_steps(llm, random_prompts(1, 512, vocab, 100 + s), 1)[0][0] for s in range(4)]
         out["pp512"] = {"tok_s": 512 / min(times[1:]), "ms": min(times[1:]) * 1e3}
         if bench.args.profile:
-            out["profile_batch1"] = profile_decode(llm, vocab)
-            print_profile("batch-1 decode step", out["profile_batch1"])
+            for batch in (1, 16):
+                out[f"profile_batch{batch}"] = profile_decode(llm, vocab, batch)
+                print_profile(f"batch-{batch} decode step", out[f"profile_batch{batch}"])
             out["profile_pp512"] = profile_prefill(llm, vocab)
             print_profile("pp512 step", out["profile_pp512"])
     finally:
@@ -464,7 +465,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--offline-prompts", type=int, default=1000)
     parser.add_argument("--fixtures", default="*", help="fixtures section: a glob of the fixture names (e.g. 'exl2*')")
-    parser.add_argument("--profile", action="store_true", help="engine sections: profile a batch-1 decode and a pp512 step")
+    parser.add_argument("--profile", action="store_true", help="engine sections: profile batch-1 and batch-16 decode steps and a pp512 step")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     bench = Bench(args)

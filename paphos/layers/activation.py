@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paphos.layers import fused, x_int8
+from paphos.layers.x_int8_blocks import BlockLayout
 
 
 class SiluAndMul(nn.Module):
@@ -14,12 +15,13 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        # Set after loading (x_int8.feed), as RMSNorm's: the down projection's int8 layout.
+        # Set after loading (x_int8.feed), as RMSNorm's: the down projection's int8 layouts.
         self.int8_layout: x_int8.Int8Layout | None = None
+        self.int8_blocks: BlockLayout | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.available(x):
-            return fused.silu_and_mul(x, self.int8_layout)
+            return fused.silu_and_mul(x, self.int8_layout, self.int8_blocks)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

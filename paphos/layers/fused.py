@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from paphos.layers import pdl, x_int8
+from paphos.layers import pdl, x_int8, x_int8_blocks
+from paphos.layers.x_int8_blocks import BlockLayout, BlockParts
 
 try:
     import triton
@@ -33,10 +34,10 @@ if triton is not None:
 
     @triton.jit
     def _add_rmsnorm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, f_ptr,
-        n_cols, eps, stride_x, stride_res, stride_out,
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr, bsum_ptr,
+        n_rows, n_cols, eps, stride_x, stride_res, stride_out,
         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr,
-        PDL: tl.constexpr,
+        BXB: tl.constexpr, BSUM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         pdl.release(PDL)
         pdl.wait(PDL)
@@ -58,6 +59,9 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
         if QLO > 0:
             _int8_parts(out_ptr + row * stride_out, q_ptr, f_ptr, 0, n_cols, BLOCK, QLO, QTW)
+        if BXB > 0:
+            _block_parts(out_ptr + row * stride_out, order_ptr, bq_ptr, bdx_ptr, bsum_ptr, row, n_rows, 0, n_cols,
+                         BLOCK, BXB, BSUM)  # fmt: skip
 
     @triton.jit
     def _int8_parts(x_ptr, q_ptr, f_ptr, col0, n_cols, BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr):
@@ -69,9 +73,25 @@ if triton is not None:
         x_int8.store_groups(x_ptr, q_ptr, f_ptr, t, t < n_cols // TV, n_cols // TV, QLO, QTW)
 
     @triton.jit
+    def _block_parts(
+        x_ptr, order_ptr, q_ptr, dx_ptr, sum_ptr, row, n_rows, col0, n_cols,
+        BLOCK: tl.constexpr, XB: tl.constexpr, SUM: tl.constexpr,
+    ):  # fmt: skip
+        """After a program stored x[col0 : col0 + BLOCK] of row `row` of an [n_rows, n_cols] output:
+        those columns' blocks for an int8 tensor-core GEMM (x_int8_blocks.store_blocks), read back
+        from what it stored."""
+        tl.debug_barrier()  # the values were stored by other threads of this program
+        blk = col0 // XB + tl.arange(0, BLOCK // XB)
+        blk_ok = blk < n_cols // XB
+        k = x_int8_blocks.block_positions(order_ptr, order_ptr, blk, blk_ok, XB, False)
+        v = tl.load(x_ptr + k, mask=blk_ok[:, None], other=0).to(tl.float32)
+        x_int8_blocks.store_blocks(v, row, n_rows, n_cols, blk, blk_ok, q_ptr, dx_ptr, sum_ptr, XB, SUM, BLOCK // XB)
+
+    @triton.jit
     def _silu_and_mul_kernel(
-        x_ptr, out_ptr, q_ptr, f_ptr, n_cols, stride_x, stride_out,
-        BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr, PDL: tl.constexpr,
+        x_ptr, out_ptr, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr, bsum_ptr, n_rows, n_cols, stride_x, stride_out,
+        BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr, BXB: tl.constexpr, BSUM: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         pdl.release(PDL)
         pdl.wait(PDL)
@@ -86,6 +106,9 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
         if QLO > 0:
             _int8_parts(out_ptr + row * stride_out, q_ptr, f_ptr, tl.program_id(1) * BLOCK, n_cols, BLOCK, QLO, QTW)
+        if BXB > 0:
+            _block_parts(out_ptr + row * stride_out, order_ptr, bq_ptr, bdx_ptr, bsum_ptr, row, n_rows,
+                         tl.program_id(1) * BLOCK, n_cols, BLOCK, BXB, BSUM)  # fmt: skip
 
     @triton.jit
     def _rope_rotate_heads(
@@ -130,11 +153,12 @@ if triton is not None:
 
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    int8_layout: x_int8.Int8Layout | None = None,
+    int8_layout: x_int8.Int8Layout | None = None, int8_blocks: BlockLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """x, residual [T, H] -> (norm(x + residual) * weight, x + residual); without a residual the
     second result is None. Same arithmetic as `RMSNorm` in norm.py. With `int8_layout` and one
-    row, the kernel also writes the output's int8 parts for the GEMV it feeds (attached to it)."""
+    row, the kernel also writes the output's int8 parts for the GEMV it feeds; with `int8_blocks`
+    and a token count it serves, those of the int8 tensor-core GEMM (attached to it either way)."""
     x = x.contiguous()
     rows, cols = x.shape
     out = torch.empty_like(x)
@@ -142,19 +166,23 @@ def add_rmsnorm(
     if residual is not None:
         residual = residual.contiguous()
     parts = _int8_output(out, int8_layout)
+    blocks = _block_output(out, int8_blocks)
     if rows:
         _add_rmsnorm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
-            *_int8_pointers(out, parts), cols, eps, x.stride(0), (residual if residual is not None else x).stride(0),
-            out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
-            **_int8_constexprs(parts), **pdl.options(x),
+            *_int8_pointers(out, parts), *_block_pointers(out, int8_blocks, blocks), rows, cols, eps, x.stride(0),
+            (residual if residual is not None else x).stride(0), out.stride(0), HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(cols), **_int8_constexprs(parts), **_block_constexprs(int8_blocks, blocks),
+            **pdl.options(x),
         )  # fmt: skip
     return out, res_out
 
 
-def silu_and_mul(x: torch.Tensor, int8_layout: x_int8.Int8Layout | None = None) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, int8_layout: x_int8.Int8Layout | None = None, int8_blocks: BlockLayout | None = None
+) -> torch.Tensor:
     """x = [gate | up] [T, 2I] -> silu(gate) * up [T, I]; same arithmetic as `SiluAndMul`. With
-    `int8_layout` and one row, also the output's int8 parts (as `add_rmsnorm`)."""
+    `int8_layout` / `int8_blocks`, also the output's int8 parts (as `add_rmsnorm`)."""
     rows, width = x.shape
     cols = width // 2
     if x.stride(1) != 1:
@@ -164,10 +192,12 @@ def silu_and_mul(x: torch.Tensor, int8_layout: x_int8.Int8Layout | None = None) 
     # A program's columns are whole tile groups (`block` is a power of two >= the group), the
     # last program's groups past `cols` are masked.
     parts = _int8_output(out, int8_layout)
+    blocks = _block_output(out, int8_blocks)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
-            x, out, *_int8_pointers(out, parts), cols, x.stride(0), out.stride(0), BLOCK=block,
-            **_int8_constexprs(parts), **pdl.options(x),
+            x, out, *_int8_pointers(out, parts), *_block_pointers(out, int8_blocks, blocks), rows, cols, x.stride(0),
+            out.stride(0), BLOCK=block, **_int8_constexprs(parts), **_block_constexprs(int8_blocks, blocks),
+            **pdl.options(x),
         )  # fmt: skip
     return out
 
@@ -178,7 +208,7 @@ def _int8_output(out: torch.Tensor, layout: x_int8.Int8Layout | None) -> x_int8.
     if layout is None or out.shape[0] != 1 or out.shape[1] % layout.tile_values:
         return None
     parts = x_int8.empty(out, layout)
-    x_int8.attach(out, parts)
+    x_int8.attach(out, layout, parts)
     return parts
 
 
@@ -189,6 +219,27 @@ def _int8_pointers(out: torch.Tensor, parts: x_int8.Int8X | None) -> tuple[torch
 def _int8_constexprs(parts: x_int8.Int8X | None) -> dict[str, int]:
     lo, tw = parts.layout if parts is not None else (0, 1)
     return {"QLO": lo, "QTW": tw}
+
+
+def _block_output(out: torch.Tensor, layout: BlockLayout | None) -> BlockParts | None:
+    """The int8 tensor-core GEMM's parts a producer writes beside `out` where the GEMM reads them
+    at out's token count, attached to it; None where it writes none."""
+    if layout is None or not layout.serves(*out.shape):
+        return None
+    blocks = x_int8_blocks.empty(out, layout)
+    x_int8.attach(out, layout, blocks)
+    return blocks
+
+
+def _block_pointers(
+    out: torch.Tensor, layout: BlockLayout | None, blocks: BlockParts | None
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The order, parts, dx and sums arguments (`out` for each where none are written)."""
+    return (layout.order(out.device), *blocks) if blocks is not None else (out,) * 4
+
+
+def _block_constexprs(layout: BlockLayout | None, blocks: BlockParts | None) -> dict[str, int]:
+    return {"BXB": layout.xb, "BSUM": layout.sum_every} if blocks is not None else {"BXB": 0, "BSUM": 1}
 
 
 def rope_(

@@ -20,7 +20,7 @@ whole words with `dp4a` and never rearranges x.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -195,21 +195,27 @@ def quantize(x: torch.Tensor, layout: Int8Layout) -> Int8X:
 _ATTR = "paphos_int8_x"
 
 
-def attach(x: torch.Tensor, parts: Int8X) -> torch.Tensor:
-    """Marks x (a freshly written activation, never modified afterwards) as carrying `parts`."""
-    setattr(x, _ATTR, parts)
+def attach(x: torch.Tensor, layout: object, parts: object) -> torch.Tensor:
+    """Marks x (a freshly written activation, never modified afterwards) as carrying `parts`, its
+    int8 parts in `layout` (an Int8Layout, or x_blocks.BlockLayout for the int8 tensor-core GEMMs)."""
+    setattr(x, _ATTR, (layout, parts))
     return x
 
 
-def attached(x: torch.Tensor, layout: Int8Layout) -> Int8X | None:
+def attached(x: torch.Tensor, layout: object) -> Any:
     """The parts a producer attached to this very tensor object in `layout`, if any (a view or
     a copy of x carries none)."""
-    parts = getattr(x, _ATTR, None)
-    return parts if parts is not None and parts.layout == layout else None
+    got = getattr(x, _ATTR, None)
+    return got[1] if got is not None and got[0] == layout else None
 
 
 def feed(producer: nn.Module, consumer: nn.Module) -> None:
     """After loading: `producer` (RMSNorm, SiluAndMul) also writes its output's int8 parts in the
-    layout the batch-1 GEMV of `consumer` (a linear layer) reads, if its quant method has one."""
-    layout = getattr(consumer.quant_method, "int8_input_layout", None)
+    layouts `consumer` (a linear layer) reads them in, if its quant method has any: the batch-1
+    GEMV's (`int8_input_layout`) and the int8 tensor-core GEMM's for a few tokens
+    (`int8_block_layout`, an x_blocks.BlockLayout)."""
+    method = consumer.quant_method
+    layout = getattr(method, "int8_input_layout", None)
     producer.int8_layout = layout(consumer) if layout is not None else None
+    blocks = getattr(method, "int8_block_layout", None)
+    producer.int8_blocks = blocks(consumer) if blocks is not None else None

@@ -378,6 +378,15 @@ class IntLinearMethod:
 
         return triton_int.int8_layout(self.spec)
 
+    def int8_block_layout(self, layer: nn.Module) -> object | None:
+        """The layout of int8 parts of x the int8 tensor-core GEMM reads at a few tokens (x_int8.feed),
+        if any; under the same conditions as `int8_input_layout`."""
+        if self.int8_input_layout(layer) is None:
+            return None
+        from paphos.quant.kernels import triton_int
+
+        return triton_int.int8_block_layout(self.spec)
+
 
 class IntQuantConfig:
     """What the integer formats' QuantConfigs share: the start-up check of a tensor-parallel split

@@ -7,7 +7,7 @@ shapes. The kernels round like the torch reference, so bf16 results must agree t
 import pytest
 import torch
 
-from paphos.layers import fused, x_int8
+from paphos.layers import fused, x_int8, x_int8_blocks
 from paphos.layers.activation import SiluAndMul
 from paphos.layers.norm import RMSNorm
 from paphos.layers.rotary import RotaryEmbedding
@@ -107,3 +107,47 @@ def test_producers_write_the_int8_parts_of_their_output(producer: str, layout: x
     assert torch.equal(parts.words[used], want.words[used]) and torch.equal(parts.scales, want.scales)
     assert x_int8.attached(out, x_int8.Int8Layout(8 if layout.lo == 4 else 4, 4)) is None  # another layout
     assert x_int8.attached(run(3), layout) is None
+
+
+def _int4_blocks() -> "x_int8_blocks.BlockLayout":
+    from paphos.quant.kernels.triton_int_i8 import x_layout
+
+    return x_layout(4, 3, 32)
+
+
+def _q4_k_blocks() -> "x_int8_blocks.BlockLayout":
+    from paphos.quant.gguf.triton_gguf_i8 import x_layout
+
+    return x_layout(64)
+
+
+@pytest.mark.parametrize("producer", ["add_rmsnorm", "silu_and_mul"])
+@pytest.mark.parametrize("make_layout", [_int4_blocks, _q4_k_blocks], ids=["int4", "q4_k"])
+def test_producers_write_the_int8_block_parts_of_their_output(producer: str, make_layout) -> None:  # noqa: ANN001
+    """At the token counts where the next linear runs an int8 tensor-core GEMM, the norm and SiLU x
+    mul write their output's parts in that GEMM's block layout in the same kernel: bit for bit what
+    quantizing the output apart gives; at other token counts (and one row) none."""
+    layout = make_layout()
+    torch.manual_seed(4)
+    # 1536 = 1024 + 512 columns: a second SiLU program with half its column block masked
+    width = 1536 if producer == "silu_and_mul" else 768
+    weight = torch.randn(width, dtype=torch.bfloat16).to(DEVICE)
+
+    def run(rows: int) -> torch.Tensor:
+        if producer == "add_rmsnorm":
+            x = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
+            res = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
+            return fused.add_rmsnorm(x, res, weight, 1e-5, None, layout)[0]
+        return fused.silu_and_mul(torch.randn(rows, 2 * width, dtype=torch.bfloat16).to(DEVICE) * 3, None, layout)
+
+    for rows in (layout.min_tokens, 5):
+        out = run(rows)
+        fed = x_int8.attached(out, layout)
+        assert fed is not None
+        want = x_int8_blocks.quantize(out.clone(), layout)  # a copy carries none: the standalone launch
+        for got, ref in zip(fed, want, strict=True):
+            assert torch.equal(got, ref)
+        ref = x_int8_blocks.reference_quantize(out.cpu(), layout.make_order(), layout.xb, layout.sum_every)
+        assert torch.equal(fed[0].cpu(), ref[0]) and torch.equal(fed[2].cpu(), ref[2])
+    assert x_int8.attached(run(1), layout) is None
+    assert x_int8.attached(run(layout.max_tokens + 1), layout) is None

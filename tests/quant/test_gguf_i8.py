@@ -2,7 +2,7 @@
 
 - `stream_order` is the order of the codes in the kernel's operands, read from repacked planes
   the way the kernel reads them (a super-block's bytes' low nibbles, then high, Q5_K each with its
-  fifth bit); x_blocks.quantize writes x in that order, bit for bit its torch reference, within
+  fifth bit); x_int8_blocks.quantize writes x in that order, bit for bit its torch reference, within
   half a step of dx / 254.
 - The GEMM under the interpreter against dequantize-then-float32-matmul
   (planes.reference_matmul) within 1e-4 of max|ref| (x's quantization; the integer sums are
@@ -90,13 +90,13 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
 
 
 def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
-    from paphos.quant.kernels import x_blocks
+    from paphos.layers import x_int8_blocks
 
     x = torch.randn(5, 768, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     x[1, 256:512] = 0  # an all-zero block: dx 0, parts 0
     x[2, :256] *= 1000
     parts, dx, sums = ti8.quantize_x(x)
-    ref = x_blocks.reference_quantize(x, stream_order(), 256, 256)
+    ref = x_int8_blocks.reference_quantize(x, stream_order(), 256, 256)
     assert parts.shape == (2, 5, 768) and dx.shape == (5, 3) and sums.shape == (5, 3)
     assert torch.equal(parts, ref[0]) and torch.equal(dx, ref[1]) and torch.equal(sums, ref[2])
     assert not parts[:, 1, 256:512].any() and dx[1, 1] == 0
@@ -148,6 +148,10 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
         assert _rel(got, ref) < 1e-2, m
     assert quantized == [3, q5, q5 + 1, q4]
     assert gemms == [(m, r) for m in (3, q5) for r in (32, 24)] + [(q5 + 1, 32), (q4, 32)]
+    # x's producer is told to write the parts up to the longest of those limits (paphos/layers/fused.py)
+    layout = tg.int8_block_layout(segs)
+    assert layout == ti8.x_layout() and (layout.min_tokens, layout.max_tokens) == (2, q4)
+    assert tg.int8_block_layout(segs[1:3]) is None  # Q6_K and Q3_K: the fused kernel
 
 
 # ---------------------------------------------------------------------------- the inline PTX

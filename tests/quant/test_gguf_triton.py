@@ -27,7 +27,7 @@ from tests.triton_interpreted import interpreted
 _MODULE = "paphos.quant.gguf.triton_gguf"
 _GEMV = "paphos.quant.gguf.triton_gemv"
 _KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", _GEMV, "paphos.quant.kernels.split_k",
-                   "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.gguf.triton_gguf_i8")  # fmt: skip
+                   "paphos.layers.x_int8_blocks", "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.gguf.triton_gguf_i8")  # fmt: skip
 
 
 GGUF_KERNEL_MODULES = (*_KERNEL_MODULES, _MODULE)
@@ -195,7 +195,7 @@ def test_batch1_gemv_takes_the_int8_parts_its_producer_attached(tg, monkeypatch:
 
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     plain = kernel.apply(layer, x)
-    fed = x_int8.attach(x.clone(), x_int8.quantize(x[0], layout))
+    fed = x_int8.attach(x.clone(), layout, x_int8.quantize(x[0], layout))
     quantize, layouts = x_int8.quantize, []
     monkeypatch.setattr(x_int8, "quantize", lambda v, lay: layouts.append(lay) or quantize(v, lay))
     assert torch.equal(method.apply(layer, fed), plain)

@@ -30,7 +30,7 @@ from tests.quant.test_int_kernels import _layer, _rel
 from tests.triton_interpreted import interpreted
 
 _MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", "paphos.quant.gguf.triton_gemv", "paphos.quant.kernels.split_k",
-            "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.kernels.triton_int")  # fmt: skip
+            "paphos.layers.x_int8_blocks", "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.kernels.triton_int")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,24 @@ def test_matmul_sends_small_batches_here(ti, ti8, monkeypatch: pytest.MonkeyPatc
     assert calls == [3, 32]  # 4-bit codes: up to I8_MAX_TOKENS[4], then the fused kernel
 
 
+def test_gemm_reads_the_parts_x_s_producer_attached(ti, ti8) -> None:  # noqa: ANN001
+    """Where x's producer attached its parts in the GEMM's layout (paphos/layers/fused.py writes
+    them), the GEMM multiplies those and launches no quantization; the layer's layout is the one
+    its producer is told to write (int_linear via triton_int.int8_block_layout), none with
+    act-order."""
+    from paphos.layers import x_int8, x_int8_blocks
+
+    spec = SPECS[0]
+    planes = int_layout.pack(*_layer(spec, 6)[:3], spec, None)
+    layout = ti.int8_block_layout(spec)
+    assert layout == ti8.x_layout(4) and (layout.min_tokens, layout.max_tokens) == (3, 32)
+    assert ti.int8_block_layout(SPECS[1]) is None  # act-order gathers x first
+    x = torch.randn(5, spec.in_features, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).float()
+    fed = x_int8.attach(x.clone(), layout, x_int8_blocks.quantize(2 * x, layout))
+    got = ti8.matmul(fed, planes, spec, ti8.I8Config(16, 16, 1))
+    assert _rel(got, int_layout.reference_matmul(2 * x, planes, spec)) < 1e-4
+
+
 # ---------------------------------------------------------------------------- sm_90 compiles
 
 
@@ -162,12 +180,12 @@ def _gemm(bits: int, zeros: bool, m: int) -> None:
 
 
 def _quantize(perm: bool) -> None:
-    from paphos.quant.kernels import x_blocks
+    from paphos.layers import x_int8_blocks
 
     args = {"x_ptr": "*bf16", "order_ptr": "*i32", "perm_ptr": "*i32", "q_ptr": "*i8", "dx_ptr": "*fp32",
             "sum_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32"}  # fmt: skip
-    constexprs = dict(XB=128, SUM=128, HAS_PERM=perm, BLOCKS=x_blocks.QUANTIZE_BLOCKS, PDL=True)
-    ptx = compile_sm90(x_blocks._quantize_kernel, args, constexprs, 4, dict(M=16, K=4096, stride_xm=4096))
+    constexprs = dict(XB=128, SUM=128, HAS_PERM=perm, BLOCKS=x_int8_blocks.QUANTIZE_BLOCKS, PDL=True)
+    ptx = compile_sm90(x_int8_blocks._quantize_kernel, args, constexprs, 4, dict(M=16, K=4096, stride_xm=4096))
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
 
 

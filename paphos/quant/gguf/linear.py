@@ -41,6 +41,7 @@ from paphos.layers import x_int8
 from paphos.layers.linear import LinearBase
 from paphos.layers.parallel import Slice
 from paphos.layers.weights import ShapeMismatchError, copy_checked
+from paphos.layers.x_int8_blocks import BlockLayout
 from paphos.loader.gguf_loader import GGUFCheckpoint
 from paphos.loader.gguf_reader import GGUFTensor
 from paphos.quant.gguf.dequant import SUPPORTED_TYPES, dequantize
@@ -187,6 +188,12 @@ class GGUFLinearMethod:
     def int8_input_layout(self, layer: LinearBase) -> x_int8.Int8Layout | None:
         """The layout of int8 parts of x the kernel's batch-1 GEMV reads (x_int8.feed), if any."""
         layout = getattr(self.kernel, "int8_input_layout", None)
+        return layout() if layout is not None else None
+
+    def int8_block_layout(self, layer: LinearBase) -> BlockLayout | None:
+        """The layout of int8 parts of x the kernel's int8 tensor-core GEMM reads at a few tokens
+        (x_int8.feed), if any."""
+        layout = getattr(self.kernel, "int8_block_layout", None)
         return layout() if layout is not None else None
 
 

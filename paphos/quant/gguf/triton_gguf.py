@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paphos.layers import x_int8
+from paphos.layers.x_int8_blocks import BlockLayout
 from paphos.quant.gguf import triton_gemv, triton_gguf_i8
 from paphos.quant.gguf.dequant import IQ4_KVALUES
 from paphos.quant.gguf.planes import FORMATS, PLANES, Format, repack, type_size
@@ -422,6 +423,13 @@ def int8_input_layout(segments: list[Segment]) -> x_int8.Int8Layout | None:
     return _gemv_int8_layout(max(int8, key=lambda s: s.n_bytes())) if int8 else None
 
 
+def int8_block_layout(segments: list[Segment]) -> BlockLayout | None:
+    """The layout in which the int8 tensor-core kernel reads x at the token counts it runs at for
+    some of these segments (the layout worth having x's producer write), or None."""
+    limits = [triton_gguf_i8.I8_MAX_TOKENS[s.type_name] for s in segments if _int8_path(s, 2)]
+    return triton_gguf_i8.x_layout(max(limits)) if limits else None
+
+
 def fused_matmul(
     x: torch.Tensor, segments: list[Segment], n_total: int, configs: list[KernelConfig] | None = None
 ) -> torch.Tensor:
@@ -650,6 +658,10 @@ class TritonGGUFKernel:
     def int8_input_layout(self) -> x_int8.Int8Layout | None:
         """Where the batch-1 GEMV reads x as int8 parts: the layout its producer should write."""
         return int8_input_layout(self.segments) if self.fallback is None and self.matmul else None
+
+    def int8_block_layout(self) -> BlockLayout | None:
+        """Where the int8 tensor-core kernel reads x at a few tokens: the layout its producer should write."""
+        return int8_block_layout(self.segments) if self.fallback is None and self.matmul else None
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a one-segment weight (an embedding), dequantized: [*ids.shape, K]."""

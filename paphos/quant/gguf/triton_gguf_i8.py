@@ -5,7 +5,7 @@ types keep triton_gguf's fused kernel (why: the end of this docstring).
 Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x), seg)` for each segment of
 a supported type (`supports`); two launches per linear (x quantized once: Q4_K and Q5_K share
 the code order):
-  1. paphos/quant/kernels/x_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
+  1. paphos/layers/x_int8_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
      with one dx per token and block of XB = 256 values, in the order the kernel multiplies the
      plane's codes (`stream_order`).
   2. `_q4_k_kernel`: out^T = W x^T, BN weight rows x BM tokens a program (both x parts side by
@@ -56,7 +56,8 @@ import math
 
 import torch
 
-from paphos.layers import pdl
+from paphos.layers import pdl, x_int8_blocks
+from paphos.layers.x_int8_blocks import BlockLayout
 from paphos.quant.kernels import x_blocks
 from paphos.quant.kernels.triton_int_i8 import I8Config
 
@@ -245,10 +246,15 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     return I8Config(block_n, bm, split, num_stages=3)
 
 
+def x_layout(max_tokens: int = 0) -> BlockLayout:
+    """How the kernel reads x: `stream_order` blocks of XB (it reads the parts and dx; the
+    minimum has a dot of its own, not x's sums); `max_tokens` as in triton_int_i8.x_layout."""
+    return BlockLayout("Q4_K", stream_order, XB, XB, 2, max_tokens)
+
+
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> the (parts, dx, sums) of x_blocks in `stream_order`; the kernel reads the
-    parts and dx (the minimum has a dot of its own, not x's sums)."""
-    return x_blocks.quantize(x, x_blocks.device_order("Q4_K", x.device, stream_order), XB, XB)
+    """x [M, K] -> its (parts, dx, sums) in `x_layout`: attached by x's producer, else one launch."""
+    return x_int8_blocks.quantize(x, x_layout())
 
 
 def matmul_into(

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from paphos.layers import pdl, x_int8
+from paphos.layers.x_int8_blocks import BlockLayout
 from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
 
 try:
@@ -459,6 +460,14 @@ def int8_layout(spec: IntSpec) -> x_int8.Int8Layout:
     """The layout in which the batch-1 GEMV reads x as int8 parts (what x's producer may write)."""
     return x_int8.Int8Layout(spec.bits, TILE_WORDS)
 
+
+
+def int8_block_layout(spec: IntSpec) -> BlockLayout | None:
+    """The layout in which the int8 tensor-core GEMM reads x at the token counts it runs at (what
+    x's producer may write), if it takes this spec: not with act-order (x is gathered first)."""
+    if spec.has_perm or not triton_int_i8.supports(spec):
+        return None
+    return triton_int_i8.x_layout(spec.bits, GEMV_MAX_TOKENS + 1, I8_MAX_TOKENS[spec.bits])
 
 
 def fit_block_k(block_k: int, spec: IntSpec) -> int:

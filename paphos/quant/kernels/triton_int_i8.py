@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from paphos.layers import pdl
+from paphos.layers import pdl, x_int8_blocks
+from paphos.layers.x_int8_blocks import BlockLayout
 from paphos.quant.kernels import x_blocks
 from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
 
@@ -76,7 +78,13 @@ def reference_quantize_x(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of `quantize_x`: x [M, K] -> (parts int8 [2, M, K], dx float32 [M, K / XB],
     sums int32 [M, K / XB])."""
-    return x_blocks.reference_quantize(x, block_order(bits), XB, XB, perm)
+    return x_int8_blocks.reference_quantize(x, block_order(bits), XB, XB, perm)
+
+
+def x_layout(bits: int, min_tokens: int = 1, max_tokens: int = 0) -> BlockLayout:
+    """How `_gemm_kernel` reads x for `bits`-bit codes; the token range (not part of the layout's
+    identity) is where the caller runs the kernel, so x's producer writes the parts then."""
+    return BlockLayout(f"int{bits}", partial(block_order, bits), XB, XB, min_tokens, max_tokens)
 
 
 # ---------------------------------------------------------------------------- Triton kernels
@@ -200,9 +208,9 @@ def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | No
 def quantize_x(
     x: torch.Tensor, bits: int, perm: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit stride on K) -> `reference_quantize_x`'s (parts, dx, sums) in one launch."""
-    order = x_blocks.device_order(f"int{bits}", x.device, lambda: block_order(bits))
-    return x_blocks.quantize(x, order, XB, XB, perm)
+    """x [M, K] (unit stride on K) -> `reference_quantize_x`'s (parts, dx, sums): attached by x's
+    producer, else one launch."""
+    return x_int8_blocks.quantize(x, x_layout(bits), perm)
 
 
 def matmul(
