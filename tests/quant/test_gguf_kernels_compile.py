@@ -63,23 +63,25 @@ def _quantize_x(type_name: str) -> None:
     assert "STACK:0 " in ptx and "griddepcontrol.wait" in ptx
 
 
-def _x_producer(kernel_name: str, type_name: str) -> None:
-    """The norm and SiLU x mul kernels writing x's int8 parts for a GEMV of `type_name`."""
+def _x_producer(kernel_name: str, type_name: str, block_xb: int = 0) -> None:
+    """The norm and SiLU x mul kernels writing x's int8 parts for a GEMV of `type_name`, or (block_xb)
+    for an int8 tensor-core GEMM reading blocks of that many values."""
     from paphos.layers import fused
     from paphos.quant.gguf import planes
 
     fmt = planes.FORMATS[type_name]
-    quant = dict(QLO=fmt.lo, QTW=fmt.tile_words, PDL=True)
-    parts = {"q_ptr": "*i32", "f_ptr": "*fp32"}
+    quant = dict(QLO=0 if block_xb else fmt.lo, QTW=fmt.tile_words, BXB=block_xb, BSUM=block_xb or 1, PDL=True)
+    parts = {"q_ptr": "*i32", "f_ptr": "*fp32", "order_ptr": "*i32", "bq_ptr": "*i8", "bdx_ptr": "*fp32",
+             "bsum_ptr": "*i32", "n_rows": "i32"}  # fmt: skip
     if kernel_name == "add_rmsnorm":
         args = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
                 **parts, "n_cols": "i32", "eps": "fp32", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
         ptx = compile_sm90(fused._add_rmsnorm_kernel, args, dict(HAS_RESIDUAL=True, BLOCK=4096, **quant), 4,
-                       dict(n_cols=4096, stride_x=4096, stride_res=4096, stride_out=4096))
+                       dict(n_rows=16, n_cols=4096, stride_x=4096, stride_res=4096, stride_out=4096))
     else:
         args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **parts, "n_cols": "i32", "stride_x": "i32", "stride_out": "i32"}
         ptx = compile_sm90(fused._silu_and_mul_kernel, args, dict(BLOCK=1024, **quant), 4,
-                       dict(n_cols=14336, stride_x=28672, stride_out=14336))
+                       dict(n_rows=16, n_cols=14336, stride_x=28672, stride_out=14336))
     assert "STACK:0 " in ptx and "griddepcontrol.wait" in ptx and "bar.sync" in ptx
 
 
@@ -128,6 +130,9 @@ CASES = {
        for n, k in ((4096, 4096), (28672, 4096), (4096, 14336))},
     **{f"quantize-x-{t}": (_quantize_x, t) for t in ("Q4_K", "Q6_K", "Q8_0")},
     "norm-int8-x-Q4_K": (_x_producer, "add_rmsnorm", "Q4_K"), "silu-int8-x-Q8_0": (_x_producer, "silu", "Q8_0"),
+    # the int8 tensor-core GEMMs' blocks: GGUF's 256 values, the integer family's 128
+    "norm-int8-blocks-256": (_x_producer, "add_rmsnorm", "Q4_K", 256),
+    "silu-int8-blocks-128": (_x_producer, "silu", "Q4_K", 128),
     **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
     "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
     "gather-Q6_K": (_gather, "Q6_K"),
