@@ -197,7 +197,7 @@ _ATTR = "paphos_int8_x"
 
 def attach(x: torch.Tensor, layout: object, parts: object) -> torch.Tensor:
     """Marks x (a freshly written activation, never modified afterwards) as carrying `parts`, its
-    int8 parts in `layout` (an Int8Layout, or x_blocks.BlockLayout for the int8 tensor-core GEMMs)."""
+    int8 parts in `layout` (an Int8Layout, or x_int8_blocks.BlockLayout for the int8 tensor-core GEMMs)."""
     setattr(x, _ATTR, (layout, parts))
     return x
 
@@ -213,7 +213,7 @@ def feed(producer: nn.Module, consumer: nn.Module) -> None:
     """After loading: `producer` (RMSNorm, SiluAndMul) also writes its output's int8 parts in the
     layouts `consumer` (a linear layer) reads them in, if its quant method has any: the batch-1
     GEMV's (`int8_input_layout`) and the int8 tensor-core GEMM's for a few tokens
-    (`int8_block_layout`, an x_blocks.BlockLayout)."""
+    (`int8_block_layout`, an x_int8_blocks.BlockLayout)."""
     method = consumer.quant_method
     layout = getattr(method, "int8_input_layout", None)
     producer.int8_layout = layout(consumer) if layout is not None else None

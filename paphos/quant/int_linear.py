@@ -44,6 +44,7 @@ from torch import nn
 
 from paphos.layers.parallel import Slice, row_amax
 from paphos.layers.weights import copy_checked
+from paphos.layers.x_int8_blocks import BlockLayout
 
 logger = logging.getLogger(__name__)
 
@@ -378,7 +379,7 @@ class IntLinearMethod:
 
         return triton_int.int8_layout(self.spec)
 
-    def int8_block_layout(self, layer: nn.Module) -> object | None:
+    def int8_block_layout(self, layer: nn.Module) -> BlockLayout | None:
         """The layout of int8 parts of x the int8 tensor-core GEMM reads at a few tokens (x_int8.feed),
         if any; under the same conditions as `int8_input_layout`."""
         if self.int8_input_layout(layer) is None:

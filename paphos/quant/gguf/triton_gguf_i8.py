@@ -4,7 +4,7 @@ types keep triton_gguf's fused kernel (why: the end of this docstring).
 
 Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x), seg)` for each segment of
 a supported type (`supports`); two launches per linear (x quantized once: Q4_K and Q5_K share
-the code order):
+the code order), one where x's producer wrote the parts (`x_layout`, paphos/layers/fused.py):
   1. paphos/layers/x_int8_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
      with one dx per token and block of XB = 256 values, in the order the kernel multiplies the
      plane's codes (`stream_order`).
