@@ -40,8 +40,8 @@ _ORDERS: dict[tuple[str, torch.device], torch.Tensor] = {}
 class BlockLayout:
     """How one int8 tensor-core GEMM reads x: blocks of `xb` values in the order `make_order()`
     gives (named `name`), an integer sum every `sum_every` positions; it runs at `min_tokens` to
-    `max_tokens` tokens. The batched-decode counterpart of
-    x_int8.Int8Layout: x's producer writes these parts too at those token counts (x_int8.feed)."""
+    `max_tokens` tokens. The batched-decode counterpart of x_int8.Int8Layout: x's producer
+    writes these parts too at those token counts (x_int8.feed)."""
 
     name: str
     make_order: Callable[[], torch.Tensor] = field(compare=False)
@@ -52,20 +52,16 @@ class BlockLayout:
     max_tokens: int = field(compare=False)
 
     def order(self, device: torch.device) -> torch.Tensor:
-        return device_order(self.name, device, self.make_order)
+        """The order as the int32 tensor the kernels read, on `device`: made once per device, not
+        at every call of a linear."""
+        key = (self.name, device)
+        if key not in _ORDERS:
+            _ORDERS[key] = self.make_order().to(device=device, dtype=torch.int32)
+        return _ORDERS[key]
 
     def serves(self, tokens: int, k: int) -> bool:
         """Whether the GEMM reads these parts for x [tokens, k]."""
         return self.min_tokens <= tokens <= self.max_tokens and k % self.xb == 0
-
-
-def device_order(name: str, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The order called `name` (made by `make`) as the int32 tensor the kernel reads, on `device`:
-    made once per device, not at every call of a linear."""
-    key = (name, device)
-    if key not in _ORDERS:
-        _ORDERS[key] = make().to(device=device, dtype=torch.int32)
-    return _ORDERS[key]
 
 
 def reference_quantize(
