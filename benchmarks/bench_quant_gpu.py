@@ -8,7 +8,8 @@ checkpoints of each format against bf16 dummy weights of the same shape, in one 
 Sections (each one's failure is recorded and the rest go on; the JSON is rewritten after each):
   fixtures       the real-tool fixtures of tests/quant/data/checkpoints (`--fixtures`: a glob of
                  their names) on the GPU in bf16 (EXL2: fp16 and bf16) with the formats' kernels
-                 (the Triton int kernels, the FP8 GEMM, the EXL2 kernels) against the tools' fp32
+                 (the Triton int kernels, the FP8 GEMM, the EXL2 kernels) and the Triton attention
+                 (whose decode merge writes o_proj's int8 parts) against the tools' fp32
                  references: max |dlogit| with one token per step (batch-1 GEMV), 8 prompts one
                  token each (M = 8) and 8 prompts of 16 tokens in one step (M = 128), and the
                  kernel summary lines
@@ -214,7 +215,7 @@ def section_fixtures(bench: Bench) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     import tests.models.paged as paged
-    from paphos.attention.torch_ref import TorchReferenceBackend
+    from paphos.attention.triton_backend import TritonAttentionBackend
     from paphos.loader import load_model_source
     from paphos.models.registry import resolve_model_class
     from paphos.quant.registry import select_quant_config
@@ -229,7 +230,7 @@ def section_fixtures(bench: Bench) -> dict[str, Any]:
         for dtype in (torch.float16, torch.bfloat16) if path.name.startswith("exl2") else (torch.bfloat16,):
             config = select_quant_config(source, None)
             with torch.device("cuda"):
-                model = resolve_model_class(source.hf_config)(source.hf_config, dtype, TorchReferenceBackend(), config)
+                model = resolve_model_class(source.hf_config)(source.hf_config, dtype, TritonAttentionBackend(), config)
             source.load_into(model, show_progress=False)
             ids = ref["input_ids"].cuda()
             blocks = len(ids) * 4 + 1

@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from paphos.attention.metadata import AttentionMetadata
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 
 class Rotary(Protocol):
@@ -46,6 +47,10 @@ class AttentionBackend(Protocol):
         included);
       * scores are `scale * q.k`, then `cap * tanh(score / cap)` when `logits_soft_cap` is set,
         softmax in fp32; the output has q's dtype, shape [T, Hq, D].
+
+    `int8_outputs` (the o projection's int8 layouts, paphos/layers/x_int8_outputs.py) lets a
+    backend write the int8 parts of its output that projection reads, attached to the output;
+    where it writes none the projection quantizes the output itself, so ignoring it is correct.
     """
 
     name: str
@@ -62,6 +67,7 @@ class AttentionBackend(Protocol):
         logits_soft_cap: float | None = None,
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
+        int8_outputs: Int8Outputs | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from paphos.attention.backend import Rotary, dequantize_kv, write_kv_cache
 from paphos.attention.metadata import AttentionMetadata
+from paphos.layers.x_int8_outputs import Int8Outputs
 from paphos.native import cpu as native_cpu
 
 
@@ -80,6 +81,7 @@ class TorchReferenceBackend:
         logits_soft_cap: float | None = None,
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
+        int8_outputs: Int8Outputs | None = None,  # written by GPU backends only
     ) -> torch.Tensor:
         if rotary is not None:
             assert positions is not None, "rotary needs the token positions"

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from paphos.attention.backend import FP8_KV_DTYPES
-from paphos.layers import pdl
+from paphos.layers import pdl, x_int8_outputs
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 LOG2E = 1.4426950408889634
 
@@ -213,23 +214,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    query_start_loc_ptr,
-    stride_ot,
-    stride_oh,
-    head_dim,
-    v_scale,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    MIXED: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr, bsum_ptr,
+    n_rows, stride_ot, stride_oh, head_dim, v_scale,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIXED: tl.constexpr, HEADS: tl.constexpr,
+    QLO: tl.constexpr, QTW: tl.constexpr, BXB: tl.constexpr, BSUM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """HEADS heads of one row per program; with QLO / BXB (a decode-only batch, contiguous out,
+    head_dim == BLOCK_D) also the o projection's int8 parts of those columns
+    (x_int8_outputs.write_after_store)."""
     pdl.release(PDL)
     pdl.wait(PDL)
     seq = tl.program_id(0)
-    head = tl.program_id(1)
     if MIXED:
         row = tl.load(query_start_loc_ptr + seq)
         if tl.load(query_start_loc_ptr + seq + 1) - row != 1:
@@ -238,21 +233,27 @@ def _decode_reduce_kernel(
         row = seq
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + offs_s
-    lse = tl.load(part_lse_ptr + part)
-    o = tl.load(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
-    lse_max = tl.max(lse, 0)
-    # All splits empty only for padding rows (seq_len 0); keep their weights 0, not NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)
-    denom = tl.sum(w, 0)
-    denom = tl.where(denom > 0.0, denom, 1.0)
-    res = tl.sum(o * w[:, None], 0) / denom * v_scale
-    tl.store(
-        out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-        res.to(out_ptr.dtype.element_ty),
-        mask=offs_d < head_dim,
-    )
+    num_heads = tl.num_programs(1) * HEADS
+    for i in tl.static_range(HEADS):
+        head = tl.program_id(1) * HEADS + i
+        part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+        lse = tl.load(part_lse_ptr + part)
+        o = tl.load(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :])
+        lse_max = tl.max(lse, 0)
+        # All splits empty only for padding rows (seq_len 0); keep their weights 0, not NaN.
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w = tl.exp2(lse - lse_max)
+        denom = tl.sum(w, 0)
+        denom = tl.where(denom > 0.0, denom, 1.0)
+        res = tl.sum(o * w[:, None], 0) / denom * v_scale
+        tl.store(
+            out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+            res.to(out_ptr.dtype.element_ty),
+            mask=offs_d < head_dim,
+        )
+    x_int8_outputs.write_after_store(out_ptr + row.to(tl.int64) * stride_ot, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr,
+                                     bsum_ptr, row, n_rows, tl.program_id(1) * (HEADS * BLOCK_D), num_heads * BLOCK_D,
+                                     HEADS * BLOCK_D, QLO, QTW, BXB, BSUM)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -287,8 +288,12 @@ def paged_attention_decode(
     soft_cap: float | None = None,
     query_start_loc: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    int8_outputs: Int8Outputs | None = None,
 ) -> None:
     """Attend query_len-1 rows over their paged contexts, writing `out` [T, Hq, D] in place.
+    With `int8_outputs` (the o projection's layouts), the merge kernel also writes the int8
+    parts of `out` that projection reads at T tokens and attaches them (`_reduce_outputs` says
+    when).
 
     Without `query_start_loc`, row i of q belongs to sequence i (a decode-only batch; rows past
     the real ones may be padding with seq_len 0, which get zeros). With it, the batch is mixed:
@@ -356,21 +361,29 @@ def paged_attention_decode(
         **pdl.options(q),
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out,
-            part_out,
-            part_lse,
-            qsl,
-            out.stride(0),
-            out.stride(1),
-            head_dim,
-            v_read_scale,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            MIXED=mixed,
-            num_warps=4,
-            **pdl.options(q),
-        )
+        heads, parts = _reduce_outputs(out, int8_outputs, mixed, head_dim)
+        _decode_reduce_kernel[(num_seqs, num_heads // heads)](
+            out, part_out, part_lse, qsl, *parts.args, out.shape[0], out.stride(0), out.stride(1), head_dim,
+            v_read_scale, BLOCK_D=block_d, NUM_SPLITS=num_splits, MIXED=mixed, HEADS=heads, **parts.constexprs,
+            num_warps=4, **pdl.options(q),
+        )  # fmt: skip
+
+
+def _reduce_outputs(
+    out: torch.Tensor, wanted: Int8Outputs | None, mixed: bool, head_dim: int
+) -> tuple[int, x_int8_outputs.Prepared]:
+    """Heads per program of the merge kernel and the int8 parts it writes of `out` (attached to
+    it): only in a decode-only batch (every row's output comes from the merge), with out
+    contiguous and a power-of-two head_dim; a program covers enough heads for a whole GEMV tile
+    group or GEMM block (two 128-wide heads for GGUF's 256-value blocks)."""
+    num_heads = out.shape[1]
+    if wanted is None or mixed or not out.is_contiguous() or head_dim & (head_dim - 1):
+        return 1, x_int8_outputs.prepare(out, None)
+    heads = max(1, wanted.columns_per_write() // head_dim)
+    if num_heads % heads:
+        return 1, x_int8_outputs.prepare(out, None)
+    parts = x_int8_outputs.prepare(out, wanted, columns_per_program=heads * head_dim)
+    return (heads if parts.writes else 1), parts
 
 
 # ------------------------------------------------------------------------------------------ prefill

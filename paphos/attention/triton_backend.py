@@ -4,7 +4,9 @@ Data flow: model runner (builds AttentionMetadata) -> model -> attention layer -
 -> Triton kernels in triton_attention.py. Per call (one layer, one step):
   1. the rotary embedding (when the layer hands it over) and the K/V store at `slot_mapping`
      (fp8 caches: x / k_scale) in one kernel (triton_kv_write.py);
-  2. decode rows (query_len 1) go through the split-KV decode kernel (+ its merge kernel);
+  2. decode rows (query_len 1) go through the split-KV decode kernel (+ its merge kernel, which
+     in a decode-only batch also writes the int8 parts of the output the o projection reads:
+     `int8_outputs`, paphos/layers/x_int8_outputs.py);
   3. prefill chunks (query_len > 1, possibly after a cached prefix) go through the tiled
      flash-attention kernel.
 Semantics are the torch reference's (torch_ref.py), which is the oracle the tests compare against.
@@ -32,6 +34,7 @@ from paphos.attention.triton_attention import (
     paged_attention_prefill,
 )
 from paphos.attention.triton_kv_write import rope_and_write_kv_cache_triton, write_kv_cache_triton
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, *FP8_KV_DTYPES)
 
@@ -85,14 +88,15 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None = None,
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
+        int8_outputs: Int8Outputs | None = None,
     ) -> torch.Tensor:
         """Any flat batch of decode rows and prefill chunks; q [T, Hq, D] -> out [T, Hq, D].
 
         Reads the device tensors of `metadata` plus the host ints max_query_len and decode_only;
-        no host lists, no synchronization."""
+        no host lists, no synchronization. `int8_outputs` serves decode-only batches alone."""
         if getattr(metadata, "decode_only", False) or metadata.max_query_len == 1:
             return self.forward_decode(
-                q, k, v, kv_cache, metadata, scale, sliding_window, logits_soft_cap, rotary, positions
+                q, k, v, kv_cache, metadata, scale, sliding_window, logits_soft_cap, rotary, positions, int8_outputs
             )
         self._check(q, k, v, kv_cache)
         q = self._store_kv(q, k, v, kv_cache, metadata.slot_mapping, rotary, positions)
@@ -156,6 +160,7 @@ class TritonAttentionBackend:
         logits_soft_cap: float | None = None,
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
+        int8_outputs: Int8Outputs | None = None,
     ) -> torch.Tensor:
         """A batch where every sequence has exactly one query row: row i of q is sequence i.
 
@@ -185,6 +190,7 @@ class TritonAttentionBackend:
             sliding_window=sliding_window,
             soft_cap=logits_soft_cap,
             config=self.decode_config,
+            int8_outputs=int8_outputs,
         )
         return out
 

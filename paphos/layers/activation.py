@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paphos.layers import fused, x_int8
-from paphos.layers.x_int8_blocks import BlockLayout
+from paphos.layers import fused
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 
 class SiluAndMul(nn.Module):
@@ -15,13 +15,12 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        # Set after loading (x_int8.feed), as RMSNorm's: the down projection's int8 layouts.
-        self.int8_layout: x_int8.Int8Layout | None = None
-        self.int8_blocks: BlockLayout | None = None
+        # Set after loading (x_int8_outputs.feed), as RMSNorm's: the down projection's int8 layouts.
+        self.int8_outputs: Int8Outputs | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fused.available(x):
-            return fused.silu_and_mul(x, self.int8_layout, self.int8_blocks)
+            return fused.silu_and_mul(x, self.int8_outputs)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from paphos.layers import pdl, x_int8, x_int8_blocks
-from paphos.layers.x_int8_blocks import BlockLayout, BlockParts
+from paphos.layers import pdl, x_int8_outputs
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 try:
     import triton
@@ -57,35 +57,8 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         out = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
-        if QLO > 0:
-            _int8_parts(out_ptr + row * stride_out, q_ptr, f_ptr, 0, n_cols, BLOCK, QLO, QTW)
-        if BXB > 0:
-            _block_parts(out_ptr + row * stride_out, order_ptr, bq_ptr, bdx_ptr, bsum_ptr, row, n_rows, 0, n_cols,
-                         BLOCK, BXB, BSUM)  # fmt: skip
-
-    @triton.jit
-    def _int8_parts(x_ptr, q_ptr, f_ptr, col0, n_cols, BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr):
-        """After a program stored x[col0 : col0 + BLOCK] of a one-row output: the int8 parts of
-        those columns' tile groups (x_int8.store_groups), read back from what it stored."""
-        TV: tl.constexpr = QTW * 32 // QLO
-        tl.debug_barrier()  # the values were stored by other threads of this program
-        t = col0 // TV + tl.arange(0, BLOCK // TV)
-        x_int8.store_groups(x_ptr, q_ptr, f_ptr, t, t < n_cols // TV, n_cols // TV, QLO, QTW)
-
-    @triton.jit
-    def _block_parts(
-        x_ptr, order_ptr, q_ptr, dx_ptr, sum_ptr, row, n_rows, col0, n_cols,
-        BLOCK: tl.constexpr, XB: tl.constexpr, SUM: tl.constexpr,
-    ):  # fmt: skip
-        """After a program stored x[col0 : col0 + BLOCK] of row `row` of an [n_rows, n_cols] output:
-        those columns' blocks for an int8 tensor-core GEMM (x_int8_blocks.store_blocks), read back
-        from what it stored."""
-        tl.debug_barrier()  # the values were stored by other threads of this program
-        blk = col0 // XB + tl.arange(0, BLOCK // XB)
-        blk_ok = blk < n_cols // XB
-        k = x_int8_blocks.block_positions(order_ptr, order_ptr, blk, blk_ok, XB, False)
-        v = tl.load(x_ptr + k, mask=blk_ok[:, None], other=0).to(tl.float32)
-        x_int8_blocks.store_blocks(v, row, n_rows, n_cols, blk, blk_ok, q_ptr, dx_ptr, sum_ptr, XB, SUM, BLOCK // XB)
+        x_int8_outputs.write_after_store(out_ptr + row * stride_out, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr, bsum_ptr,
+                                         row, n_rows, 0, n_cols, BLOCK, QLO, QTW, BXB, BSUM)  # fmt: skip
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -104,11 +77,9 @@ if triton is not None:
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
-        if QLO > 0:
-            _int8_parts(out_ptr + row * stride_out, q_ptr, f_ptr, tl.program_id(1) * BLOCK, n_cols, BLOCK, QLO, QTW)
-        if BXB > 0:
-            _block_parts(out_ptr + row * stride_out, order_ptr, bq_ptr, bdx_ptr, bsum_ptr, row, n_rows,
-                         tl.program_id(1) * BLOCK, n_cols, BLOCK, BXB, BSUM)  # fmt: skip
+        x_int8_outputs.write_after_store(out_ptr + row * stride_out, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr, bsum_ptr,
+                                         row, n_rows, tl.program_id(1) * BLOCK, n_cols, BLOCK, QLO, QTW, BXB,
+                                         BSUM)  # fmt: skip
 
     @triton.jit
     def _rope_rotate_heads(
@@ -153,93 +124,45 @@ if triton is not None:
 
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    int8_layout: x_int8.Int8Layout | None = None, int8_blocks: BlockLayout | None = None,
+    int8_outputs: Int8Outputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """x, residual [T, H] -> (norm(x + residual) * weight, x + residual); without a residual the
-    second result is None. Same arithmetic as `RMSNorm` in norm.py. With `int8_layout` and one
-    row, the kernel also writes the output's int8 parts for the GEMV it feeds; with `int8_blocks`
-    and a token count it serves, those of the int8 tensor-core GEMM (attached to it either way)."""
+    second result is None. Same arithmetic as `RMSNorm` in norm.py. With `int8_outputs`, the
+    kernel also writes the int8 parts of the output that the next layer reads at T tokens
+    (x_int8_outputs.prepare: attached to it)."""
     x = x.contiguous()
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     if residual is not None:
         residual = residual.contiguous()
-    parts = _int8_output(out, int8_layout)
-    blocks = _block_output(out, int8_blocks)
+    parts = x_int8_outputs.prepare(out, int8_outputs)
     if rows:
         _add_rmsnorm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
-            *_int8_pointers(out, parts), *_block_pointers(out, int8_blocks, blocks), rows, cols, eps, x.stride(0),
-            (residual if residual is not None else x).stride(0), out.stride(0), HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(cols), **_int8_constexprs(parts), **_block_constexprs(int8_blocks, blocks),
+            *parts.args, rows, cols, eps, x.stride(0), (residual if residual is not None else x).stride(0),
+            out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), **parts.constexprs,
             **pdl.options(x),
         )  # fmt: skip
     return out, res_out
 
 
-def silu_and_mul(
-    x: torch.Tensor, int8_layout: x_int8.Int8Layout | None = None, int8_blocks: BlockLayout | None = None
-) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, int8_outputs: Int8Outputs | None = None) -> torch.Tensor:
     """x = [gate | up] [T, 2I] -> silu(gate) * up [T, I]; same arithmetic as `SiluAndMul`. With
-    `int8_layout` / `int8_blocks`, also the output's int8 parts (as `add_rmsnorm`)."""
+    `int8_outputs`, also the output's int8 parts (as `add_rmsnorm`)."""
     rows, width = x.shape
     cols = width // 2
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(cols))
-    # A program's columns are whole tile groups (`block` is a power of two >= the group), the
-    # last program's groups past `cols` are masked.
-    parts = _int8_output(out, int8_layout)
-    blocks = _block_output(out, int8_blocks)
+    parts = x_int8_outputs.prepare(out, int8_outputs, columns_per_program=block)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
-            x, out, *_int8_pointers(out, parts), *_block_pointers(out, int8_blocks, blocks), rows, cols, x.stride(0),
-            out.stride(0), BLOCK=block, **_int8_constexprs(parts), **_block_constexprs(int8_blocks, blocks),
+            x, out, *parts.args, rows, cols, x.stride(0), out.stride(0), BLOCK=block, **parts.constexprs,
             **pdl.options(x),
         )  # fmt: skip
     return out
-
-
-def _int8_output(out: torch.Tensor, layout: x_int8.Int8Layout | None) -> x_int8.Int8X | None:
-    """The int8 parts a producer writes beside `out` (one row, a whole number of tile groups), attached
-    to it; None where it writes none."""
-    if layout is None or out.shape[0] != 1 or out.shape[1] % layout.tile_values:
-        return None
-    parts = x_int8.empty(out, layout)
-    x_int8.attach(out, layout, parts)
-    return parts
-
-
-def _int8_pointers(out: torch.Tensor, parts: x_int8.Int8X | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return (parts.words, parts.scales) if parts is not None else (out, out)
-
-
-def _int8_constexprs(parts: x_int8.Int8X | None) -> dict[str, int]:
-    lo, tw = parts.layout if parts is not None else (0, 1)
-    return {"QLO": lo, "QTW": tw}
-
-
-def _block_output(out: torch.Tensor, layout: BlockLayout | None) -> BlockParts | None:
-    """The int8 tensor-core GEMM's parts a producer writes beside `out` where the GEMM reads them
-    at out's token count, attached to it; None where it writes none."""
-    if layout is None or not layout.serves(*out.shape):
-        return None
-    blocks = x_int8_blocks.empty(out, layout)
-    x_int8.attach(out, layout, blocks)
-    return blocks
-
-
-def _block_pointers(
-    out: torch.Tensor, layout: BlockLayout | None, blocks: BlockParts | None
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The order, parts, dx and sums arguments (`out` for each where none are written)."""
-    return (layout.order(out.device), *blocks) if blocks is not None else (out,) * 4
-
-
-def _block_constexprs(layout: BlockLayout | None, blocks: BlockParts | None) -> dict[str, int]:
-    return {"BXB": layout.xb, "BSUM": layout.sum_every} if blocks is not None else {"BXB": 0, "BSUM": 1}
 
 
 def rope_(

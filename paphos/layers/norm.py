@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paphos.layers import fused, x_int8
+from paphos.layers import fused
 from paphos.layers.weights import default_weight_loader
-from paphos.layers.x_int8_blocks import BlockLayout
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +24,10 @@ class RMSNorm(nn.Module):
             torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()), requires_grad=False
         )
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
-        # Set after loading (x_int8.feed): the layouts in which the next layer's batch-1 GEMV and
-        # its int8 tensor-core GEMM of a few tokens read int8 parts of this norm's output, which
-        # the fused kernel then writes too.
-        self.int8_layout: x_int8.Int8Layout | None = None
-        self.int8_blocks: BlockLayout | None = None
+        # Set after loading (x_int8_outputs.feed): the layouts in which the next layer's batch-1
+        # GEMV and its int8 tensor-core GEMM of a few tokens read int8 parts of this norm's
+        # output, which the fused kernel then writes too.
+        self.int8_outputs: Int8Outputs | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -41,7 +40,7 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s), s
         being the residual stream the next block adds into."""
         if fused.available(x):
-            out, summed = fused.add_rmsnorm(x, residual, self.weight, self.eps, self.int8_layout, self.int8_blocks)
+            out, summed = fused.add_rmsnorm(x, residual, self.weight, self.eps, self.int8_outputs)
             return out if summed is None else (out, summed)
         if residual is None:
             return self._norm(x)

@@ -4,10 +4,11 @@ because the layers produce it; a format opts in through its method's `int8_input
 layers and models never import a quantization format.
 
 Data flow at batch 1 on CUDA: the kernel that produces a linear layer's input (residual add +
-RMSNorm, SiLU x mul: paphos/layers/fused.py) writes x and, in the same kernel, these parts in
-the layout the layer's GEMV reads (`feed` wires producer to consumer after loading; the parts
-travel attached to x: `attach` / `attached`); where no producer wrote them (the attention
-output, the head's rows, a second code layout in one layer), `quantize` does, one small launch.
+RMSNorm, SiLU x mul: paphos/layers/fused.py; the split-KV attention merge) writes x and, in the
+same kernel, these parts in the layout the layer's GEMV reads (x_int8_outputs.py wires producer
+to consumer after loading; the parts travel attached to x: `attach` / `attached`); where no
+producer wrote them (the head's rows, a second code layout in one layer, an attention output
+with prefill rows), `quantize` does, one small launch.
 Either way x is quantized once per step and layout, not once per GEMV program.
 
 The format: per tile group of the weight's code layout (`Int8Layout`: LO-bit codes, TW words
@@ -23,7 +24,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
 from paphos.layers import pdl
 
@@ -202,20 +202,17 @@ def attach(x: torch.Tensor, layout: object, parts: object) -> torch.Tensor:
     return x
 
 
+def view(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    """x.view(*shape), carrying the parts attached to x (same memory in the same order, so they
+    still describe it): the attention output [T, heads, head_dim] as the o projection's [T, K]."""
+    viewed = x.view(*shape)
+    if (got := getattr(x, _ATTR, None)) is not None:
+        setattr(viewed, _ATTR, got)
+    return viewed
+
+
 def attached(x: torch.Tensor, layout: object) -> Any:
     """The parts a producer attached to this very tensor object in `layout`, if any (a view or
     a copy of x carries none)."""
     got = getattr(x, _ATTR, None)
     return got[1] if got is not None and got[0] == layout else None
-
-
-def feed(producer: nn.Module, consumer: nn.Module) -> None:
-    """After loading: `producer` (RMSNorm, SiluAndMul) also writes its output's int8 parts in the
-    layouts `consumer` (a linear layer) reads them in, if its quant method has any: the batch-1
-    GEMV's (`int8_input_layout`) and the int8 tensor-core GEMM's for a few tokens
-    (`int8_block_layout`, an x_int8_blocks.BlockLayout)."""
-    method = consumer.quant_method
-    layout = getattr(method, "int8_input_layout", None)
-    producer.int8_layout = layout(consumer) if layout is not None else None
-    blocks = getattr(method, "int8_block_layout", None)
-    producer.int8_blocks = blocks(consumer) if blocks is not None else None

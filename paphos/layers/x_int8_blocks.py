@@ -13,7 +13,7 @@ multiply).
 
 Data flow: the kernel that produces a linear layer's input (residual add + RMSNorm, SiLU x mul:
 fused.py) writes these parts too where the layer's GEMM reads them at that token count
-(`BlockLayout.serves`; x_int8.feed wires it after loading), attached to x; otherwise `quantize`
+(`BlockLayout.serves`; x_int8_outputs.feed wires it after loading), attached to x; otherwise `quantize`
 does, one launch per linear and step.
 """
 
@@ -41,7 +41,7 @@ class BlockLayout:
     """How one int8 tensor-core GEMM reads x: blocks of `xb` values in the order `make_order()`
     gives (named `name`), an integer sum every `sum_every` positions; it runs at `min_tokens` to
     `max_tokens` tokens. The batched-decode counterpart of x_int8.Int8Layout: x's producer
-    writes these parts too at those token counts (x_int8.feed)."""
+    writes these parts too at those token counts (x_int8_outputs.feed)."""
 
     name: str
     make_order: Callable[[], torch.Tensor] = field(compare=False)

@@ -18,7 +18,7 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers import parallel, x_int8
+from paphos.layers import parallel, x_int8, x_int8_outputs
 from paphos.layers.activation import GeluTanhAndMul, SiluAndMul
 from paphos.layers.embedding import LMHead, VocabEmbedding
 from paphos.layers.linear import (
@@ -32,6 +32,7 @@ from paphos.layers.linear import (
 from paphos.layers.norm import RMSNorm
 from paphos.layers.rotary import RotaryEmbedding
 from paphos.layers.weights import ShapeMismatchError, default_weight_loader
+from paphos.layers.x_int8_outputs import Int8Outputs
 from paphos.models import hf_config
 from paphos.models.errors import UnsupportedModelError, WeightLoadError
 
@@ -80,6 +81,9 @@ class LlamaAttention(nn.Module):
             dtype,
             _method(quant_config, f"{prefix}.o_proj"),
         )
+        # Set after loading (x_int8_outputs.feed): o_proj's int8 layouts, which the attention
+        # backend's decode merge writes beside its output.
+        self.int8_outputs: Int8Outputs | None = None
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
@@ -91,9 +95,9 @@ class LlamaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(
             q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window, rotary=self.rotary_emb,
-            positions=positions,
+            positions=positions, int8_outputs=self.int8_outputs,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(x_int8.view(out, t, self.num_heads * self.head_dim))
 
 
 # Gated activations by HF config name (`hidden_activation`, else `hidden_act`).
@@ -155,11 +159,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def feed_int8_inputs(self) -> None:
-        """After loading: each norm and the activation also write, at batch 1, the int8 parts of
-        x the next projection's GEMV reads (x_int8.feed; nothing for layers that read none)."""
-        x_int8.feed(self.input_layernorm, self.self_attn.qkv_proj)
-        x_int8.feed(self.post_attention_layernorm, self.mlp.gate_up_proj)
-        x_int8.feed(self.mlp.act, self.mlp.down_proj)
+        """After loading: each norm, the attention and the activation also write the int8 parts
+        of x the next projection's GEMV or int8 GEMM reads (x_int8_outputs.feed; nothing for
+        layers that read none)."""
+        x_int8_outputs.feed(self.input_layernorm, self.self_attn.qkv_proj)
+        x_int8_outputs.feed(self.self_attn, self.self_attn.o_proj)
+        x_int8_outputs.feed(self.post_attention_layernorm, self.mlp.gate_up_proj)
+        x_int8_outputs.feed(self.mlp.act, self.mlp.down_proj)
 
     def forward(
         self,

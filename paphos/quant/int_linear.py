@@ -371,7 +371,7 @@ class IntLinearMethod:
         return y + bias if bias is not None else y
 
     def int8_input_layout(self, layer: nn.Module) -> object | None:
-        """The layout of int8 parts of x the batch-1 GEMV reads (x_int8.feed: the kernel producing
+        """The layout of int8 parts of x the batch-1 GEMV reads (x_int8_outputs.feed: the kernel producing
         x writes them), if any: not with act-order (x is gathered first) or int8 activations."""
         if self.spec is None or self.spec.has_perm or self.layout.int8_activations:
             return None
@@ -380,7 +380,7 @@ class IntLinearMethod:
         return triton_int.int8_layout(self.spec)
 
     def int8_block_layout(self, layer: nn.Module) -> BlockLayout | None:
-        """The layout of int8 parts of x the int8 tensor-core GEMM reads at a few tokens (x_int8.feed),
+        """The layout of int8 parts of x the int8 tensor-core GEMM reads at a few tokens (x_int8_outputs.feed),
         if any; under the same conditions as `int8_input_layout`."""
         if self.int8_input_layout(layer) is None:
             return None

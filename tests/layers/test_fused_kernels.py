@@ -11,6 +11,7 @@ from paphos.layers import fused, x_int8, x_int8_blocks
 from paphos.layers.activation import SiluAndMul
 from paphos.layers.norm import RMSNorm
 from paphos.layers.rotary import RotaryEmbedding
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,12 +93,13 @@ def test_producers_write_the_int8_parts_of_their_output(producer: str, layout: x
         def run(rows: int) -> torch.Tensor:
             x = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
             res = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
-            out, _ = fused.add_rmsnorm(x, res, weight, 1e-5, layout)
+            out, _ = fused.add_rmsnorm(x, res, weight, 1e-5, Int8Outputs(gemv=layout))
             return out
     else:
 
         def run(rows: int) -> torch.Tensor:
-            return fused.silu_and_mul(torch.randn(rows, 2 * width, dtype=torch.bfloat16).to(DEVICE) * 3, layout)
+            return fused.silu_and_mul(torch.randn(rows, 2 * width, dtype=torch.bfloat16).to(DEVICE) * 3,
+                                     Int8Outputs(gemv=layout))
 
     out = run(1)
     parts = x_int8.attached(out, layout)
@@ -137,8 +139,9 @@ def test_producers_write_the_int8_block_parts_of_their_output(producer: str, mak
         if producer == "add_rmsnorm":
             x = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
             res = torch.randn(rows, width, dtype=torch.bfloat16).to(DEVICE)
-            return fused.add_rmsnorm(x, res, weight, 1e-5, None, layout)[0]
-        return fused.silu_and_mul(torch.randn(rows, 2 * width, dtype=torch.bfloat16).to(DEVICE) * 3, None, layout)
+            return fused.add_rmsnorm(x, res, weight, 1e-5, Int8Outputs(blocks=layout))[0]
+        return fused.silu_and_mul(torch.randn(rows, 2 * width, dtype=torch.bfloat16).to(DEVICE) * 3,
+                                 Int8Outputs(blocks=layout))
 
     for rows in (layout.min_tokens, 5):
         out = run(rows)

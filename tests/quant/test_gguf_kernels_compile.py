@@ -2,7 +2,7 @@
 interpreter runs of test_gguf_triton.py accept code that may not lower for the GPU (a constexpr
 reassigned in an unrolled loop, inline PTX, layouts, programmatic dependent launch: the
 interpreter never runs the PDL branches). The batch-1 GEMVs must not spill; the kernels of the
-batch-1 path (GEMVs, x's quantization, the norm and SiLU x mul writing it) wait for the kernels
+batch-1 path (GEMVs, x's quantization, the norm, SiLU x mul and attention merge writing it) wait for the kernels
 before them (griddepcontrol.wait). The
 compiles run in a child process without TRITON_INTERPRET (this one has the interpreter set up), once
 with the installed triton and once with the H200 image's (tests/device_triton.py)."""
@@ -124,6 +124,25 @@ def _gather(type_name: str) -> None:
     assert compile_sm90(tg._gather_kernel, args, constexprs, 4)
 
 
+def _merge_producer(type_name: str, block_xb: int = 0) -> None:
+    """The split-KV attention merge writing the o projection's int8 parts (128-wide heads, 8
+    splits): GEMV parts of `type_name`, or GEMM blocks of block_xb values (two heads a program
+    for 256)."""
+    from paphos.attention import triton_attention as ta
+    from paphos.quant.gguf import planes
+
+    fmt = planes.FORMATS[type_name]
+    args = {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "query_start_loc_ptr": "*i32",
+            "q_ptr": "*i32", "f_ptr": "*fp32", "order_ptr": "*i32", "bq_ptr": "*i8", "bdx_ptr": "*fp32",
+            "bsum_ptr": "*i32", "n_rows": "i32", "stride_ot": "i32", "stride_oh": "i32", "head_dim": "i32",
+            "v_scale": "fp32"}  # fmt: skip
+    constexprs = dict(BLOCK_D=128, NUM_SPLITS=8, MIXED=False, HEADS=max(1, block_xb // 128),
+                      QLO=0 if block_xb else fmt.lo, QTW=fmt.tile_words, BXB=block_xb, BSUM=block_xb or 1, PDL=True)
+    ptx = compile_sm90(ta._decode_reduce_kernel, args, constexprs, 4,
+                       dict(n_rows=16, stride_ot=4096, stride_oh=128, head_dim=128))  # fmt: skip
+    assert "STACK:0 " in ptx and "griddepcontrol.wait" in ptx and "bar.sync" in ptx
+
+
 CASES = {
     # Llama-3-8B's attention output, gate|up and down projections
     **{f"int8-gemv-{t}-{n}x{k}": (_integer_gemv, t, n, k) for t in ("Q4_K", "Q6_K", "Q8_0", "Q4_1")
@@ -133,6 +152,8 @@ CASES = {
     # the int8 tensor-core GEMMs' blocks: GGUF's 256 values, the integer family's 128
     "norm-int8-blocks-256": (_x_producer, "add_rmsnorm", "Q4_K", 256),
     "silu-int8-blocks-128": (_x_producer, "silu", "Q4_K", 128),
+    "merge-int8-x-Q4_K": (_merge_producer, "Q4_K"), "merge-int8-blocks-128": (_merge_producer, "Q4_K", 128),
+    "merge-int8-blocks-256": (_merge_producer, "Q4_K", 256),
     **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
     "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
     "gather-Q6_K": (_gather, "Q6_K"),

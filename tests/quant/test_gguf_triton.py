@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from paphos.layers import x_int8
+from paphos.layers import x_int8, x_int8_outputs
 from paphos.quant.gguf import planes
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import GGUFShard
@@ -188,10 +188,10 @@ def test_batch1_gemv_takes_the_int8_parts_its_producer_attached(tg, monkeypatch:
     method = GGUFLinearMethod([])
     method.kernel = kernel
     norm = RMSNorm(K)
-    x_int8.feed(norm, SimpleNamespace(quant_method=method))
-    assert norm.int8_layout == layout
-    x_int8.feed(norm, SimpleNamespace(quant_method=UnquantizedLinearMethod()))
-    assert norm.int8_layout is None
+    x_int8_outputs.feed(norm, SimpleNamespace(quant_method=method))
+    assert norm.int8_outputs.gemv == layout
+    x_int8_outputs.feed(norm, SimpleNamespace(quant_method=UnquantizedLinearMethod()))
+    assert norm.int8_outputs == x_int8_outputs.Int8Outputs(None, None)
 
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     plain = kernel.apply(layer, x)

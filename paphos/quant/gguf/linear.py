@@ -186,13 +186,13 @@ class GGUFLinearMethod:
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def int8_input_layout(self, layer: LinearBase) -> x_int8.Int8Layout | None:
-        """The layout of int8 parts of x the kernel's batch-1 GEMV reads (x_int8.feed), if any."""
+        """The layout of int8 parts of x the kernel's batch-1 GEMV reads (x_int8_outputs.feed), if any."""
         layout = getattr(self.kernel, "int8_input_layout", None)
         return layout() if layout is not None else None
 
     def int8_block_layout(self, layer: LinearBase) -> BlockLayout | None:
         """The layout of int8 parts of x the kernel's int8 tensor-core GEMM reads at a few tokens
-        (x_int8.feed), if any."""
+        (x_int8_outputs.feed), if any."""
         layout = getattr(self.kernel, "int8_block_layout", None)
         return layout() if layout is not None else None
 

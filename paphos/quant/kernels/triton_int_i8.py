@@ -4,7 +4,8 @@ compressed-tensors), for batched decode between the batch-1 GEMV and the bf16 fu
 
 Data flow: `triton_int.matmul` calls `matmul(x, planes, spec)` when `supports(spec)`; it runs
 two launches per linear, or one where x's producer wrote the parts (paphos/layers/fused.py,
-`x_layout`: the norm and SiLU x mul; not the attention output, nor with act-order):
+`x_layout`: the norm, SiLU x mul and decode attention merge, paphos/layers/x_int8_outputs.py;
+not a mixed step's attention output, nor with act-order):
   1. `quantize_x`: x [M, K] (act-order: x[:, perm], gathered here) -> two int8 parts per token
      and block of XB = 128 K values, x = dx * (q1 + q2 / 254), dx = max|x| / 127 (the GEMV's
      numerics, paphos/layers/x_int8.py: about 15 bits of x), stored in the order the weight

@@ -19,6 +19,10 @@ import pytest
 
 # Each kernel module with one of its kernels, by which a compiled import is recognised.
 _MODULES = (
+    # the merge kernel writes the o projection's int8 parts with these helpers
+    ("paphos.layers.x_int8", "store_groups"),
+    ("paphos.layers.x_int8_blocks", "store_blocks"),
+    ("paphos.layers.x_int8_outputs", "write_after_store"),
     ("paphos.layers.fused", "_rope_kernel"),  # its rotation is part of the K/V write kernel
     ("paphos.attention.triton_attention", "_prefill_kernel"),
     ("paphos.attention.triton_kv_write", "_write_kv_kernel"),

@@ -19,6 +19,8 @@ from paphos.attention.metadata import AttentionMetadata
 from paphos.attention.testing import allocate_block_tables, build_metadata
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.attention.triton_backend import TritonAttentionBackend
+from paphos.layers import x_int8, x_int8_blocks
+from paphos.layers.x_int8_outputs import Int8Outputs
 
 # (query_len, seq_len): decode rows, a full prefill, chunks after a cached prefix, a 1-token seq.
 MIXED = [(1, 17), (7, 7), (1, 1), (5, 23), (1, 40), (3, 3), (9, 30)]
@@ -231,6 +233,51 @@ def test_forward_decode_reads_no_host_metadata_and_zeroes_padding_rows() -> None
     out = backend.forward(q, k, v, cache, graph_md, case.scale)  # routed to forward_decode
     assert (out[:3].float() - expected.float()).abs().max() <= 2e-2
     assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def _o_proj_layouts() -> list[tuple[str, Int8Outputs]]:
+    from paphos.quant.gguf.triton_gguf_i8 import x_layout as q4_k_layout
+    from paphos.quant.kernels.triton_int_i8 import x_layout as int_layout
+
+    return [
+        ("gemv 4-bit", Int8Outputs(gemv=x_int8.Int8Layout(4, 4))),
+        ("int4 blocks of 128", Int8Outputs(blocks=int_layout(4, 3, 32))),
+        ("q4_k blocks of 256", Int8Outputs(blocks=q4_k_layout(64))),  # two 128-wide heads a program
+    ]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _o_proj_layouts()])
+def test_decode_merge_writes_the_o_projections_int8_parts(name: str) -> None:
+    """In a decode-only batch the merge kernel also writes the int8 parts of its output that the
+    o projection reads (GEMV parts at one row, GEMM blocks where the GEMM runs), attached to the
+    output and carried to the o projection's [T, K] view: bit for bit what quantizing the
+    output apart gives, and the attention output itself unchanged. A mixed batch, or one the
+    merge does not run for, writes none (the projection quantizes it itself)."""
+    wanted = dict(_o_proj_layouts())[name]
+    layout = wanted.gemv or wanted.blocks
+    rows = 1 if wanted.gemv else 4
+    case = make_case([(1, 9 + 7 * i) for i in range(rows)], 2, 4, head_dim=128, seed=11)
+    backend = TritonAttentionBackend()
+    assert backend.num_splits(rows, 2, case.q.device) > 1
+    plain = backend.forward(case.q, case.k, case.v, case.cache.clone(), case.md, case.scale)
+    out = backend.forward(case.q, case.k, case.v, case.cache.clone(), case.md, case.scale, int8_outputs=wanted)
+    assert torch.equal(out, plain)
+    flat = x_int8.view(out, rows, -1)
+    fed = x_int8.attached(flat, layout)
+    assert fed is not None
+    if wanted.gemv:
+        want = x_int8.quantize(flat[0].clone(), layout)
+        assert torch.equal(fed.words, want.words) and torch.equal(fed.scales, want.scales)
+    else:
+        want = x_int8_blocks.quantize(flat.clone(), layout)  # a copy carries none: the standalone launch
+        for got, ref in zip(fed, want, strict=True):
+            assert torch.equal(got, ref)
+    mixed = make_case([(1, 9), (3, 12), (1, 20), (1, 5)], 2, 4, head_dim=128, seed=12)
+    out = backend.forward(mixed.q, mixed.k, mixed.v, mixed.cache.clone(), mixed.md, mixed.scale, int8_outputs=wanted)
+    assert x_int8.attached(x_int8.view(out, out.shape[0], -1), layout) is None
+    one_split = TritonAttentionBackend(max_splits=1)
+    out = one_split.forward(case.q, case.k, case.v, case.cache.clone(), case.md, case.scale, int8_outputs=wanted)
+    assert x_int8.attached(x_int8.view(out, rows, -1), layout) is None
 
 
 def test_num_splits_depends_only_on_rows() -> None:
