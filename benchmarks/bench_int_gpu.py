@@ -14,7 +14,9 @@ For each (spec, shape, M): `matmul` as the engine calls it (the default path), t
 --no-sweep, the other candidates: integer-dot GEMV launch configurations up to 16 tokens (at
 M = 1 with the launch that quantizes x, and "fed": x's int8 parts already written by its
 producer), the fused dequant x tl.dot kernel's tiles and K splits (from 16 tokens; packed 16-bit
-or float32 dequantization), and dequantize + cuBLAS (from 64). Each candidate's output is checked first: max
+or float32 dequantization), the int8 tensor-core GEMM (with its quantizing launch, and "i8_fed":
+the block parts attached, as the norm / SiLU / attention merge kernels write them), and
+dequantize + cuBLAS (from 64). Each candidate's output is checked first: max
 |out - ref| / max |ref| against the float32 reference, acceptance < 1e-2 (bf16 weights and
 output against exact float32). Times: CUDA-graph replays of back-to-back calls (as the engine's
 decode steps replay them; programmatic dependent launch on), cycling through copies of the planes
@@ -55,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from timing import copy_bandwidth, graph_time  # noqa: E402
 
-from paphos.layers import pdl  # noqa: E402
+from paphos.layers import pdl, x_int8  # noqa: E402
 from paphos.quant.kernels import int_layout  # noqa: E402
 from paphos.quant.kernels import triton_int as ti  # noqa: E402
 from paphos.quant.kernels import triton_int_i8 as ti8  # noqa: E402
@@ -90,7 +92,7 @@ I8_TARGETS = (1, 2, 4)
 @dataclass(frozen=True)
 class Candidate:
     """One way to compute a (spec, shape, M) product: `path` in matmul (what the engine calls),
-    gemv, gemv_fed (x's parts given), gemm, dequant."""
+    gemv, gemv_fed (x's parts given), gemm, i8, i8_fed (x's block parts given), dequant."""
 
     path: str
     gemv: ti.GemvConfig | None = None
@@ -160,6 +162,8 @@ def candidates(spec: IntSpec, m: int, sweep: bool) -> list[Candidate]:
         out.append(Candidate("gemm", gemm=ti.gemm_config(spec, m)))
         if ti8.supports(spec):
             out.append(Candidate("i8", i8=ti8.i8_config(spec, m)))
+            if not spec.has_perm:  # the GEMM alone, as where x's producer wrote its parts
+                out.append(Candidate("i8_fed", i8=ti8.i8_config(spec, m)))
     if m in SWEEP_MS and m <= 128 and ti8.supports(spec):
         base = ti8.i8_config(spec, m)
         for (bn, warps, stages), target in itertools.product(I8_TILES, I8_TARGETS):
@@ -202,6 +206,9 @@ def runner(
         return lambda: ti.gemm(x, planes, spec, c.gemm)
     if c.path == "i8":
         return lambda: ti8.matmul(x, planes, spec, c.i8)
+    if c.path == "i8_fed":
+        fed = x_int8.attach(x.view(x.shape), ti8.x_layout(spec.bits), ti8.quantize_x(x, spec.bits))
+        return lambda: ti8.matmul(fed, planes, spec, c.i8)
     if c.path == "dequant":
         return lambda: ti.dequant_matmul(x, planes, spec)
     raise ValueError(c.path)
