@@ -202,13 +202,14 @@ def attach(x: torch.Tensor, layout: object, parts: object) -> torch.Tensor:
     return x
 
 
-def view(x: torch.Tensor, *shape: int) -> torch.Tensor:
-    """x.view(*shape), carrying the parts attached to x (same memory in the same order, so they
-    still describe it): the attention output [T, heads, head_dim] as the o projection's [T, K]."""
-    viewed = x.view(*shape)
-    if (got := getattr(x, _ATTR, None)) is not None:
-        setattr(viewed, _ATTR, got)
-    return viewed
+def reshape(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    """x.reshape(*shape), carrying the parts attached to x where it is a view of the same memory
+    in the same order (x contiguous), so they still describe it: the attention output [T, heads,
+    head_dim] as the o projection's [T, K]."""
+    reshaped = x.reshape(*shape)
+    if (got := getattr(x, _ATTR, None)) is not None and x.is_contiguous():
+        setattr(reshaped, _ATTR, got)
+    return reshaped
 
 
 def attached(x: torch.Tensor, layout: object) -> Any:

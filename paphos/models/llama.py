@@ -97,7 +97,7 @@ class LlamaAttention(nn.Module):
             q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window, rotary=self.rotary_emb,
             positions=positions, int8_outputs=self.int8_outputs,
         )
-        return self.o_proj(x_int8.view(out, t, self.num_heads * self.head_dim))
+        return self.o_proj(x_int8.reshape(out, t, self.num_heads * self.head_dim))
 
 
 # Gated activations by HF config name (`hidden_activation`, else `hidden_act`).

@@ -262,7 +262,7 @@ def test_decode_merge_writes_the_o_projections_int8_parts(name: str) -> None:
     plain = backend.forward(case.q, case.k, case.v, case.cache.clone(), case.md, case.scale)
     out = backend.forward(case.q, case.k, case.v, case.cache.clone(), case.md, case.scale, int8_outputs=wanted)
     assert torch.equal(out, plain)
-    flat = x_int8.view(out, rows, -1)
+    flat = x_int8.reshape(out, rows, -1)
     fed = x_int8.attached(flat, layout)
     assert fed is not None
     if wanted.gemv:
@@ -274,10 +274,10 @@ def test_decode_merge_writes_the_o_projections_int8_parts(name: str) -> None:
             assert torch.equal(got, ref)
     mixed = make_case([(1, 9), (3, 12), (1, 20), (1, 5)], 2, 4, head_dim=128, seed=12)
     out = backend.forward(mixed.q, mixed.k, mixed.v, mixed.cache.clone(), mixed.md, mixed.scale, int8_outputs=wanted)
-    assert x_int8.attached(x_int8.view(out, out.shape[0], -1), layout) is None
+    assert x_int8.attached(x_int8.reshape(out, out.shape[0], -1), layout) is None
     one_split = TritonAttentionBackend(max_splits=1)
     out = one_split.forward(case.q, case.k, case.v, case.cache.clone(), case.md, case.scale, int8_outputs=wanted)
-    assert x_int8.attached(x_int8.view(out, rows, -1), layout) is None
+    assert x_int8.attached(x_int8.reshape(out, rows, -1), layout) is None
 
 
 def test_num_splits_depends_only_on_rows() -> None:
