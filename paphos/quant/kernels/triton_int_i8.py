@@ -28,7 +28,9 @@ point and the float step, which then run on BM columns instead of 2 BM: 286 inst
 K loop at the 16-token rule (128 rows, 4 warps) instead of 338, 4.33 a weight byte instead of
 5.12 (benchmarks/int8_sass.py's count on this kernel). Measured after it (H100, 16 tokens,
 bench_int_gpu.py): a Llama-3-8B layer's four linears 85.8 us, 1.93x cuBLAS bf16, gate|up 35.3 us
-at 57 % of copy bandwidth. Timings: benchmarks/README.md, "The int8 tensor-core path".
+at 57 % of copy bandwidth; with the parts written by x's producers (no quantizing launch: `i8_fed`)
+82.7 us against 86.7 in the same run, 1.98x. Timings: benchmarks/README.md, "The int8
+tensor-core path" and "o_proj's input written by the attention merge".
 """
 
 from __future__ import annotations
