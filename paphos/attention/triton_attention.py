@@ -374,16 +374,17 @@ def _reduce_outputs(
 ) -> tuple[int, x_int8_outputs.Prepared]:
     """Heads per program of the merge kernel and the int8 parts it writes of `out` (attached to
     it): only in a decode-only batch (every row's output comes from the merge), with out
-    contiguous and a power-of-two head_dim; a program covers enough heads for a whole GEMV tile
-    group or GEMM block (two 128-wide heads for GGUF's 256-value blocks)."""
-    num_heads = out.shape[1]
-    if wanted is None or mixed or not out.is_contiguous() or head_dim & (head_dim - 1):
-        return 1, x_int8_outputs.prepare(out, None)
-    heads = max(1, wanted.columns_per_write() // head_dim)
-    if num_heads % heads:
-        return 1, x_int8_outputs.prepare(out, None)
-    parts = x_int8_outputs.prepare(out, wanted, columns_per_program=heads * head_dim)
-    return (heads if parts.writes else 1), parts
+    contiguous and a power-of-two head_dim; a program covers enough heads for a whole tile group
+    or block of the layouts read at this row count (two 128-wide heads for GGUF's 256-value
+    blocks, one for any batch-1 GEMV)."""
+    num_tokens, num_heads = out.shape[:2]
+    if wanted is not None and not mixed and out.is_contiguous() and not head_dim & (head_dim - 1):
+        heads = max(1, wanted.at(num_tokens, num_heads * head_dim).columns_per_write() // head_dim)
+        if num_heads % heads == 0:
+            parts = x_int8_outputs.prepare(out, wanted, columns_per_program=heads * head_dim)
+            if parts.writes:
+                return heads, parts
+    return 1, x_int8_outputs.prepare(out, None)
 
 
 # ------------------------------------------------------------------------------------------ prefill

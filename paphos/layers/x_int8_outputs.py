@@ -34,6 +34,13 @@ class Int8Outputs(NamedTuple):
     gemv: x_int8.Int8Layout | None = None
     blocks: BlockLayout | None = None
 
+    def at(self, tokens: int, k: int) -> Int8Outputs:
+        """The layouts read for x [tokens, k]: the GEMV's at one token (K whole tile groups), the
+        GEMM's where it serves that count (BlockLayout.serves)."""
+        gemv = self.gemv if self.gemv is not None and tokens == 1 and k % self.gemv.tile_values == 0 else None
+        blocks = self.blocks if self.blocks is not None and self.blocks.serves(tokens, k) else None
+        return Int8Outputs(gemv, blocks)
+
     def columns_per_write(self) -> int:
         """The fewest contiguous columns a `write_after_store` call must cover: a GEMV tile group
         or a GEMM block."""
@@ -75,18 +82,14 @@ def prepare(out: torch.Tensor, wanted: Int8Outputs | None, columns_per_program: 
     gemv = blocks = None
     if wanted is not None:
         rows = out.view(out.shape[0], -1)
-        t, k = rows.shape
-        cols = columns_per_program or k
-
-        def fits(unit: int) -> bool:
-            return k % unit == 0 and cols % unit == 0
-
-        if wanted.gemv is not None and t == 1 and fits(wanted.gemv.tile_values):
-            gemv = x_int8.empty(rows, wanted.gemv)
-            x_int8.attach(out, wanted.gemv, gemv)
-        if wanted.blocks is not None and wanted.blocks.serves(t, k) and fits(wanted.blocks.xb):
-            blocks = x_int8_blocks.empty(rows, wanted.blocks)
-            x_int8.attach(out, wanted.blocks, blocks)
+        used = wanted.at(*rows.shape)
+        cols = columns_per_program or rows.shape[1]
+        if used.gemv is not None and cols % used.gemv.tile_values == 0:
+            gemv = x_int8.empty(rows, used.gemv)
+            x_int8.attach(out, used.gemv, gemv)
+        if used.blocks is not None and cols % used.blocks.xb == 0:
+            blocks = x_int8_blocks.empty(rows, used.blocks)
+            x_int8.attach(out, used.blocks, blocks)
     gemv_args = (gemv.words, gemv.scales) if gemv is not None else (out, out)
     block_args: BlockParts | tuple[torch.Tensor, ...] = (
         (wanted.blocks.order(out.device), *blocks) if blocks is not None else (out,) * 4

@@ -272,12 +272,30 @@ def test_decode_merge_writes_the_o_projections_int8_parts(name: str) -> None:
         want = x_int8_blocks.quantize(flat.clone(), layout)  # a copy carries none: the standalone launch
         for got, ref in zip(fed, want, strict=True):
             assert torch.equal(got, ref)
+        ref = x_int8_blocks.reference_quantize(flat.float(), layout.make_order(), layout.xb, layout.sum_every)
+        assert torch.equal(fed[0], ref[0]) and torch.equal(fed[2], ref[2])
     mixed = make_case([(1, 9), (3, 12), (1, 20), (1, 5)], 2, 4, head_dim=128, seed=12)
     out = backend.forward(mixed.q, mixed.k, mixed.v, mixed.cache.clone(), mixed.md, mixed.scale, int8_outputs=wanted)
     assert x_int8.attached(x_int8.reshape(out, out.shape[0], -1), layout) is None
     one_split = TritonAttentionBackend(max_splits=1)
     out = one_split.forward(case.q, case.k, case.v, case.cache.clone(), case.md, case.scale, int8_outputs=wanted)
     assert x_int8.attached(x_int8.reshape(out, rows, -1), layout) is None
+
+
+def test_merge_programs_cover_the_units_read_at_that_row_count() -> None:
+    """Heads per merge program follow the layouts read at the step's row count: at one row a GEMV's
+    32-value groups need one 128-wide head, even where the GEMM at more rows reads 256-value
+    blocks (two heads)."""
+    from paphos.quant.gguf.triton_gguf_i8 import x_layout as q4_k_layout
+
+    wanted = Int8Outputs(gemv=x_int8.Int8Layout(4, 4), blocks=q4_k_layout(64))
+    one_row = torch.empty(1, 32, 128, dtype=torch.bfloat16)
+    heads, parts = ta._reduce_outputs(one_row, wanted, False, 128)
+    assert heads == 1 and parts.constexprs["QLO"] == 4 and parts.constexprs["BXB"] == 0
+    rows = torch.empty(16, 32, 128, dtype=torch.bfloat16)
+    heads, parts = ta._reduce_outputs(rows, wanted, False, 128)
+    assert heads == 2 and parts.constexprs["BXB"] == 256 and parts.constexprs["QLO"] == 0
+    assert ta._reduce_outputs(rows, wanted, True, 128)[1].writes is False  # mixed batch
 
 
 def test_num_splits_depends_only_on_rows() -> None:
