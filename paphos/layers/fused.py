@@ -25,6 +25,14 @@ except ImportError:  # CPU-only installs: the torch reference path is used.
     triton = None
 
 
+# Columns of a row per program of the norm where it writes int8 parts: every program sums the
+# whole row's squares, then normalises and quantizes its own columns. One program a row left a
+# batch-16 step's parts to 16 programs (4.77 us a launch against 2.53 in chunks of 1024, 2.81 of
+# 512; H100, benchmarks/bench_producers_gpu.py; benchmarks/README.md, "The norm's int8 parts in
+# column chunks").
+NORM_CHUNK = 1024
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether the fused kernels serve this tensor (a GPU tensor with Triton installed)."""
     return triton is not None and x.is_cuda
@@ -33,32 +41,49 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _summed_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, stride_out,
+                    HAS_RESIDUAL: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+        """x (+ residual) at `cols` of `row`, in the model dtype (the residual stream is summed in
+        it, as the reference does); with STORE, the sum is also stored as the new residual."""
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+            if STORE:
+                tl.store(res_out_ptr + row * stride_out + cols, x, mask=mask)
+        return x
+
+    @triton.jit
     def _add_rmsnorm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr, bsum_ptr,
         n_rows, n_cols, eps, stride_x, stride_res, stride_out,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QLO: tl.constexpr, QTW: tl.constexpr,
-        BXB: tl.constexpr, BSUM: tl.constexpr, PDL: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, QLO: tl.constexpr,
+        QTW: tl.constexpr, BXB: tl.constexpr, BSUM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        """Program (row, c) normalises columns c * CHUNK .. + CHUNK of the row (CHUNK == BLOCK: the
+        whole row). Each program sums the whole row's squares itself (the row is read from L2 by
+        the others), so a row's int8 parts are written by several programs at once."""
         pdl.release(PDL)
         pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        dtype = x.dtype
-        if HAS_RESIDUAL:
-            res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            # The residual stream is summed in the model dtype, as the reference does.
-            x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            tl.store(res_out_ptr + row * stride_out + cols, x, mask=mask)
+        x = _summed_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, stride_out,
+                        HAS_RESIDUAL, CHUNK == BLOCK)  # fmt: skip
         xf = x.to(tl.float32)
-        variance = tl.sum(xf * xf, axis=0) / n_cols
-        normed = (xf * (1.0 / tl.sqrt(variance + eps))).to(dtype)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        col0 = tl.program_id(1) * CHUNK
+        if CHUNK < BLOCK:
+            cols = col0 + tl.arange(0, CHUNK)
+            mask = cols < n_cols
+            x = _summed_row(x_ptr, res_ptr, res_out_ptr, row, cols, mask, stride_x, stride_res, stride_out,
+                            HAS_RESIDUAL, True)  # fmt: skip
+        normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        out = (normed.to(tl.float32) * w.to(tl.float32)).to(dtype)
+        out = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
         tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
         x_int8_outputs.write_after_store(out_ptr + row * stride_out, q_ptr, f_ptr, order_ptr, bq_ptr, bdx_ptr, bsum_ptr,
-                                         row, n_rows, 0, n_cols, BLOCK, QLO, QTW, BXB, BSUM)  # fmt: skip
+                                         row, n_rows, col0, n_cols, CHUNK, QLO, QTW, BXB, BSUM)  # fmt: skip
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -124,24 +149,30 @@ if triton is not None:
 
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    int8_outputs: Int8Outputs | None = None,
+    int8_outputs: Int8Outputs | None = None, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """x, residual [T, H] -> (norm(x + residual) * weight, x + residual); without a residual the
     second result is None. Same arithmetic as `RMSNorm` in norm.py. With `int8_outputs`, the
     kernel also writes the int8 parts of the output that the next layer reads at T tokens
-    (x_int8_outputs.prepare: attached to it)."""
+    (x_int8_outputs.prepare: attached to it), each row's over columns of NORM_CHUNK (`chunk`
+    overrides it) in programs of their own."""
     x = x.contiguous()
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     if residual is not None:
         residual = residual.contiguous()
-    parts = x_int8_outputs.prepare(out, int8_outputs)
+    block = triton.next_power_of_2(cols)
+    wanted = int8_outputs.at(rows, cols) if int8_outputs is not None else None
+    if chunk is None:
+        writes = wanted is not None and wanted.columns_per_write() > 1
+        chunk = min(block, max(NORM_CHUNK, wanted.columns_per_write())) if writes else block
+    parts = x_int8_outputs.prepare(out, wanted, columns_per_program=chunk)
     if rows:
-        _add_rmsnorm_kernel[(rows,)](
+        _add_rmsnorm_kernel[(rows, triton.cdiv(cols, chunk))](
             x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
             *parts.args, rows, cols, eps, x.stride(0), (residual if residual is not None else x).stride(0),
-            out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), **parts.constexprs,
+            out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, CHUNK=chunk, **parts.constexprs,
             **pdl.options(x),
         )  # fmt: skip
     return out, res_out

@@ -47,6 +47,19 @@ def test_add_rmsnorm_matches_rmsnorm(dtype: torch.dtype, with_residual: bool) ->
         _assert_close_bf16(out.cpu(), want)
 
 
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_add_rmsnorm_in_column_chunks_matches_whole_rows(chunk: int) -> None:
+    """A row normalised by several programs (each sums the whole row's squares, then writes its
+    columns: how the norm runs where it writes int8 parts) gives the whole-row kernel's output and
+    residual bit for bit; 96 columns in chunks of 64 mask half the second program."""
+    torch.manual_seed(1)
+    x, residual = (torch.randn(5, 96, dtype=torch.bfloat16).to(DEVICE) * 3 for _ in range(2))
+    weight = torch.randn(96, dtype=torch.bfloat16).to(DEVICE)
+    whole = fused.add_rmsnorm(x, residual, weight, 1e-5)
+    chunked = fused.add_rmsnorm(x, residual, weight, 1e-5, chunk=chunk)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
     torch.manual_seed(1)
@@ -85,8 +98,9 @@ def test_producers_write_the_int8_parts_of_their_output(producer: str, layout: x
     code layout) in the same kernel: the same words and scales as quantizing the output apart, and
     attached to the output; at several rows, none."""
     torch.manual_seed(3)
-    # 1312 = 1024 + 288 columns: a second SiLU program whose last tile groups are masked
-    width = 1312 if producer == "silu_and_mul" else 320
+    # 1312 = 1024 + 288 columns: a second program (SiLU's column block, the norm's NORM_CHUNK)
+    # whose last tile groups are masked
+    width = 1312
     if producer == "add_rmsnorm":
         weight = torch.randn(width, dtype=torch.bfloat16).to(DEVICE)
 
@@ -131,8 +145,9 @@ def test_producers_write_the_int8_block_parts_of_their_output(producer: str, mak
     quantizing the output apart gives; at other token counts (and one row) none."""
     layout = make_layout()
     torch.manual_seed(4)
-    # 1536 = 1024 + 512 columns: a second SiLU program with half its column block masked
-    width = 1536 if producer == "silu_and_mul" else 768
+    # 1536 = 1024 + 512 columns: a second program (SiLU's column block, the norm's NORM_CHUNK)
+    # with half its columns masked
+    width = 1536
     weight = torch.randn(width, dtype=torch.bfloat16).to(DEVICE)
 
     def run(rows: int) -> torch.Tensor:

@@ -76,7 +76,7 @@ def _x_producer(kernel_name: str, type_name: str, block_xb: int = 0) -> None:
     if kernel_name == "add_rmsnorm":
         args = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16",
                 **parts, "n_cols": "i32", "eps": "fp32", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32"}
-        ptx = compile_sm90(fused._add_rmsnorm_kernel, args, dict(HAS_RESIDUAL=True, BLOCK=4096, **quant), 4,
+        ptx = compile_sm90(fused._add_rmsnorm_kernel, args, dict(HAS_RESIDUAL=True, BLOCK=4096, CHUNK=1024, **quant), 4,
                        dict(n_rows=16, n_cols=4096, stride_x=4096, stride_res=4096, stride_out=4096))
     else:
         args = {"x_ptr": "*bf16", "out_ptr": "*bf16", **parts, "n_cols": "i32", "stride_x": "i32", "stride_out": "i32"}
