@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,24 +37,23 @@ GEMV_LAYOUT = x_int8.Int8Layout(4, 4)  # the W4 GEMV's (4-bit codes, 4-word tile
 BLOCK_LAYOUT = triton_int_i8.x_layout(4, 3, 32)
 
 
-def _us(fn) -> float:  # noqa: ANN001
+def _us(fn: Callable[[], object]) -> float:
     return graph_time([fn], calls=64) * 1e6
 
 
-def _wanted(rows: int, parts: bool) -> Int8Outputs | None:
-    if not parts:
-        return None
+def _wanted(rows: int) -> Int8Outputs:
+    """The parts a W4 linear reads at `rows` tokens: the GEMV's at one, the GEMM's blocks above."""
     return Int8Outputs(gemv=GEMV_LAYOUT) if rows == 1 else Int8Outputs(blocks=BLOCK_LAYOUT)
 
 
 def norm_cases(rows: int, chunks: list[str]) -> dict[str, float]:
     x, res = (torch.randn(rows, HIDDEN, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     weight = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    wanted = _wanted(rows)
     out = {"norm": _us(lambda: fused.add_rmsnorm(x, res, weight, 1e-5))}
     for chunk in chunks:
         size = HIDDEN if chunk == "row" else int(chunk)
-        wanted = _wanted(rows, True)
-        out[f"norm+parts chunk {chunk}"] = _us(lambda s=size, w=wanted: fused.add_rmsnorm(x, res, weight, 1e-5, w, chunk=s))
+        out[f"norm+parts chunk {chunk}"] = _us(lambda s=size: fused.add_rmsnorm(x, res, weight, 1e-5, wanted, chunk=s))
     out["quantize launch"] = _us(lambda: _quantize(x, rows))
     return out
 
@@ -61,7 +61,7 @@ def norm_cases(rows: int, chunks: list[str]) -> dict[str, float]:
 def silu_cases(rows: int) -> dict[str, float]:
     x = torch.randn(rows, 2 * INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
     y = torch.randn(rows, INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
-    wanted = _wanted(rows, True)
+    wanted = _wanted(rows)
     return {"silu": _us(lambda: fused.silu_and_mul(x)), "silu+parts": _us(lambda: fused.silu_and_mul(x, wanted)),
             "quantize launch": _us(lambda: _quantize(y, rows))}  # fmt: skip
 
