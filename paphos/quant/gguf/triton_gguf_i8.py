@@ -243,7 +243,7 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     blocks, split = k // XB, 1
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
-    return I8Config(block_n, bm, split, num_stages=3)
+    return I8Config(block_n, bm, split)
 
 
 def x_layout(max_tokens: int = 0) -> BlockLayout:

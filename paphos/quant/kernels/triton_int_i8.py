@@ -191,15 +191,17 @@ class I8Config:
     block_m: int = 16
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | None = None) -> I8Config:
     """The launch at M tokens, by the rule the H100 sweeps' winners on the Llama-3-8B shapes follow
     (benchmarks/bench_int_gpu.py): M rounded up to a power of two (16 to 64) tokens per program,
-    128 rows up to 32 tokens and 64 above, 4 warps, 4 stages; K split while the grid stays within
+    128 rows up to 32 tokens and 64 above, 4 warps, 3 stages; K split while the grid stays within
     `programs_per_sm` programs per multiprocessor (2: q|k|v 4 slices, o and down 8) and each
-    slice keeps two blocks or more. (8 warps at 64 tokens ran 2-4x slower.)"""
+    slice keeps two blocks or more. (8 warps at 64 tokens ran 2-4x slower; 4 stages 4-9 % slower
+    on every shape at 16 and 32 tokens, and tokens as the dot's M on mma.sync no faster:
+    benchmarks/README.md, "Three stages".)"""
     bm = min(64, max(16, triton.next_power_of_2(m)))
     block_n = block_n or (128 if bm <= 32 else 64)
     tiles = math.ceil(spec.out_features / block_n) * math.ceil(m / bm)
