@@ -85,7 +85,7 @@ SPLIT_TARGETS = (1, 2, 4, 0)
 SWEEP_MS = (4, 16, 64)
 # int8 tensor-core kernel (triton_int_i8.py): (rows, warps, stages) per program, and programs per
 # SM its K split aims at
-I8_TILES = [(64, 4, 4), (64, 4, 3), (128, 4, 4), (128, 8, 4), (256, 8, 4)]
+I8_TILES = [(64, 4, 3), (64, 4, 2), (128, 4, 4), (128, 4, 2), (128, 8, 3), (256, 8, 3)]
 I8_TARGETS = (1, 2, 4)
 
 
