@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from paphos import LLM  # noqa: E402
+from paphos.layers import pdl  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("ceilings", "correctness", "decode", "profile", "sweep", "concurrent", "ttft", "prefill", "offline", "hf")
@@ -92,7 +93,9 @@ def engine_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tu
 def kernel_profile(fn: Callable[[], object], calls: int, top: int = 25) -> dict[str, Any]:
     """`fn` run `calls` times under torch.profiler (CPU ops and CUDA kernels, CUDA graph replays'
     kernels included): per call, the GPU time of each kernel (top `top`), the GPU busy time, the
-    wall time, and the host ops / kernel launches issued."""
+    wall time, and the host ops / kernel launches issued. With programmatic dependent launch on
+    (`pdl`), a kernel's time includes its wait for the one before it, so the kernel times and the
+    busy time overstate the work; `PAPHOS_DISABLE_PDL=1` gives the per-kernel breakdown."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -111,6 +114,7 @@ def kernel_profile(fn: Callable[[], object], calls: int, top: int = 25) -> dict[
                                                        "cudaLaunchKernelExC"))  # fmt: skip
     rows = sorted(kernels, key=lambda e: -e.device_time_total)
     return {
+        "pdl": pdl.ENABLED,
         "wall_ms_per_call": wall * 1e3,
         "gpu_busy_ms_per_call": sum(e.device_time_total for e in kernels) / calls / 1e3,
         "host_aten_ops_per_call": sum(e.count for e in host if e.key.startswith("aten::")) / calls,
@@ -123,6 +127,8 @@ def kernel_profile(fn: Callable[[], object], calls: int, top: int = 25) -> dict[
 def print_profile(title: str, prof: dict[str, Any]) -> None:
     print(f"{title}: wall {prof['wall_ms_per_call']:.3f} ms, GPU busy {prof['gpu_busy_ms_per_call']:.3f} ms, "
           f"{prof['host_aten_ops_per_call']:.0f} aten ops, {prof['launches_per_call']:.0f} launches per call")
+    if prof.get("pdl"):
+        print("   (PDL on: each kernel's time includes its wait for the one before; PAPHOS_DISABLE_PDL=1 to split them)")
     for k in prof["kernels"]:
         print(f"   {k['ms_per_call']:8.4f} ms  x{k['count_per_call']:6.1f}  {k['name']}")
 

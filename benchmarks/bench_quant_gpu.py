@@ -466,7 +466,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--offline-prompts", type=int, default=1000)
     parser.add_argument("--fixtures", default="*", help="fixtures section: a glob of the fixture names (e.g. 'exl2*')")
-    parser.add_argument("--profile", action="store_true", help="engine sections: profile batch-1 and batch-16 decode steps and a pp512 step")
+    parser.add_argument("--profile", action="store_true", help="engine sections: profile batch-1 and batch-16 decode steps and a pp512 step (per-kernel "
+                        "times with PAPHOS_DISABLE_PDL=1: PDL folds each kernel's wait into its time)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     bench = Bench(args)
