@@ -199,7 +199,7 @@ def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | No
     (benchmarks/bench_int_gpu.py): M rounded up to a power of two (16 to 64) tokens per program,
     128 rows up to 32 tokens and 64 above, 4 warps, 3 stages; K split while the grid stays within
     `programs_per_sm` programs per multiprocessor (2: q|k|v 4 slices, o and down 8) and each
-    slice keeps two blocks or more. (8 warps at 64 tokens ran 2-4x slower; 4 stages 4-9 % slower
+    slice keeps two blocks or more. (8 warps at 64 tokens ran 2-4x slower; 4 stages 3-15 % slower
     on every shape at 16 and 32 tokens, and tokens as the dot's M on mma.sync no faster:
     benchmarks/README.md, "Three stages".)"""
     bm = min(64, max(16, triton.next_power_of_2(m)))
