@@ -1,5 +1,5 @@
-"""FP8 weights on the GPU: `fp8_linear` (the Triton small-M kernel up to SMALL_M_MAX tokens,
-per-token quantization + `torch._scaled_mm` above) checked against `reference_fp8_linear` and
+"""FP8 weights on the GPU: `fp8_linear` (the CUDA-core GEMV at one token, the Triton small-M kernel
+up to SMALL_M_MAX tokens, per-token quantization + `torch._scaled_mm` above) checked against `reference_fp8_linear` and
 timed against bf16 F.linear on Llama-3-8B shapes.
 
     python3 benchmarks/bench_fp8_gpu.py --out $OUT/fp8.json [--sections linear,small,sweep]
@@ -25,7 +25,8 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
              engine's decode graphs; programmatic dependent launch on, as there), cycling
              through enough weight copies that the weight comes from memory and not L2. Columns:
              bf16 F.linear, `scaled_mm` (triton_quantize + _scaled_mm), `fp8` (fp8_linear as
-             dispatched) and the candidate `small_m_linear` tiles at every M <= 64. GB/s counts
+             dispatched), the candidate `small_m_linear` tiles at every M <= 64 and the
+             `gemv_linear` launches (rows per program, warps) at M = 1. GB/s counts
              weight + x + y bytes; frac = / copy BW. Printed last: per M, a decoder layer's four
              linears summed.
 
@@ -77,9 +78,14 @@ CANDIDATES = {  # the default first
 }
 
 
+# the one-token GEMV's launches (rows per program, warps), the default first
+GEMV_CANDIDATES = {f"gemv:r{c.rows_per_program}w{c.num_warps}": c for c in (
+    k8.DEFAULT_GEMV, *(k8.GemvConfig(r, w) for w in (4, 8) for r in (1, 2, 4, 8)))}  # fmt: skip
+
+
 def candidates(m: int) -> list[str]:
-    """The `small_m_linear` configurations timed at M tokens."""
-    return list(CANDIDATES) if m <= 64 else []
+    """The `small_m_linear` configurations timed at M tokens (and the GEMV's at one)."""
+    return (list(CANDIDATES) if m <= 64 else []) + (list(GEMV_CANDIDATES) if m == 1 else [])
 
 
 def run(name: str, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor | None = None,
@@ -89,6 +95,8 @@ def run(name: str, x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, scale: to
         return k8.fp8_linear(x, w, ws, scale, out, bias)
     if name == "scaled_mm":
         return k8.scaled_mm_linear(x, w, ws, scale, out, bias)
+    if name in GEMV_CANDIDATES:
+        return k8.gemv_linear(x, w, ws, scale, out, bias, GEMV_CANDIDATES[name])
     return k8.small_m_linear(x, w, ws, scale, out, bias, CANDIDATES[name])
 
 
@@ -208,15 +216,15 @@ def method_runtime() -> dict[str, Any]:
 
 
 def small_cases() -> dict[str, Callable[[], Any]]:
-    """Every candidate configuration, float32 output beside _scaled_mm's, the odd shape, and
-    triton_quantize bit for bit at M = 1."""
+    """Every candidate configuration (the GEMV's at M = 1), float32 output beside _scaled_mm's, the
+    odd shape, and triton_quantize bit for bit at M = 1."""
     k, n = SHAPES["qkv"]
     w, ws = fp8_weight(n, k, 4)
     cases: dict[str, Callable[[], Any]] = {}
     for m in (1, 3, 16, 64):
         x = x_like(m, k, 40 + m)
         ref = k8.reference_fp8_linear(x, w, ws, None, torch.float32)
-        for name in CANDIDATES:
+        for name in candidates(m):
             cases[f"{name} M{m}"] = lambda name=name, x=x, ref=ref: rel_err(run(name, x, w, ws), ref)
     # float32 output: the accumulation's own error, no bf16 rounding on top
     x16 = x_like(16, k, 51)
@@ -238,6 +246,10 @@ def small_cases() -> dict[str, Callable[[], Any]]:
             cases[label] = lambda x=x, scale=scale, ref=ref: rel_err(
                 k8.small_m_linear(x, wo, wso, scale, torch.bfloat16, bias), ref
             )
+            if m == 1:
+                cases[f"{label} gemv"] = lambda x=x, scale=scale, ref=ref: rel_err(
+                    k8.gemv_linear(x, wo, wso, scale, torch.bfloat16, bias), ref
+                )
 
     def quantize_bitwise() -> bool:
         same = True

@@ -203,17 +203,42 @@ def test_small_m_split_rule(kernel) -> None:  # noqa: ANN001
     assert module.split_for(1, 4096, 512, cfg) == 1  # two K steps: no slice of one
 
 
-def test_fp8_linear_takes_the_small_m_kernel(kernel) -> None:  # noqa: ANN001
-    """fp8_linear at decode sizes (3-D input, bf16 output, one token and a few): within one bf16
-    step (2^-7 relative) of the reference: the Triton interpreter's fp32 -> bf16 cast truncates
-    (triton 3.9, `fp_downcast_rounding` too), where the GPU's rounds to nearest."""
+@pytest.mark.parametrize(("n", "k"), [(37, 100), (64, 512), (5, 14336)])  # odd N, K tails, down's K
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_gemv_linear_matches_reference(kernel, n: int, k: int, static: bool, rows: int) -> None:  # noqa: ANN001
+    """The one-token GEMV: exact products summed in fp32, so within fp32 summation order of the
+    reference on CPU and GPU alike, rows past N (N not a multiple of the rows a program takes)
+    neither computed wrong nor stored."""
     module, device = kernel
-    for m in (1, 6):
-        x, w, ws, bias = _small_problem(m, 37, 300, m, device)
-        y = module.fp8_linear(x.view(1, m, 300), w, ws, None, torch.bfloat16, bias)
+    x, w, ws, bias = _small_problem(1, n, k, n + k + rows, device)
+    scale = (x.float().abs().max() / 896.0).reshape(1) if static else None
+    for b in (None, bias):
+        out = module.gemv_linear(x, w, ws, scale, torch.float32, b, module.GemvConfig(rows, 4))
+        ref = reference_fp8_linear(x, w, ws, scale, torch.float32, b)
+        assert out.shape == (1, n)
+        assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_fp8_linear_picks_the_kernel_by_tokens(kernel, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """fp8_linear at decode sizes (3-D input, bf16 output): one token through the GEMV, a few
+    through the small-M kernel, a token whose row is longer than GEMV_MAX_K through the small-M
+    kernel too; within one bf16 step (2^-7 relative) of the reference: the Triton interpreter's
+    fp32 -> bf16 cast truncates (triton 3.9, `fp_downcast_rounding` too), where the GPU's rounds
+    to nearest."""
+    module, device = kernel
+    taken: list[str] = []
+    for name in ("gemv_linear", "small_m_linear"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: taken.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(module, "GEMV_MAX_K", 256)
+    for m, k in ((1, 256), (6, 256), (1, 300)):
+        x, w, ws, bias = _small_problem(m, 37, k, m, device)
+        y = module.fp8_linear(x.view(1, m, k), w, ws, None, torch.bfloat16, bias)
         ref = reference_fp8_linear(x, w, ws, None, torch.float32, bias)
         assert y.shape == (1, m, 37) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.view(m, 37).float(), ref, rtol=2**-7, atol=1e-6)
+    assert taken == ["gemv_linear", "small_m_linear", "small_m_linear"]
 
 
 # ---------------------------------------------------------------- reference_fp8_linear by hand
@@ -534,22 +559,23 @@ def test_ignore_lists_and_merged_layers() -> None:
 
 
 @pytest.mark.parametrize("triton_path", TRITONS, ids=TRITON_IDS)
-def test_small_m_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
+def test_fp8_kernels_compile_for_sm90(triton_path: Path | None) -> None:
     """The small-M kernel as `small_m_linear` launches it on the H200 (split-K and not): Hopper's
-    fp8 wgmma, the split's fence and atomic counter, PDL, no spills; with the installed triton and
-    the H200 image's."""
+    fp8 wgmma, the split's fence and atomic counter, PDL, no spills; and the one-token GEMV at the
+    longest row it takes, without spills; with the installed triton and the H200 image's."""
     pytest.importorskip("triton")
     done = subprocess.run(
-        [sys.executable, "-c", "from tests.quant.test_fp8 import compile_small_m; compile_small_m()"],
+        [sys.executable, "-c", "from tests.quant.test_fp8 import compile_kernels; compile_kernels()"],
         env=compile_env(triton_path), cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.split() == ["split:ok", "whole:ok"], done.stdout
+    assert done.stdout.split() == ["split:ok", "whole:ok", "gemv:ok"], done.stdout
 
 
-def compile_small_m() -> None:
-    """In a child process without the interpreter: compile `_small_m_kernel` for sm_90."""
+def compile_kernels() -> None:
+    """In a child process without the interpreter: compile `_small_m_kernel` and `_gemv_kernel`
+    for sm_90."""
     from paphos.quant.kernels import fp8 as k8
     from tests.device_triton import compile_sm90
 
@@ -567,3 +593,13 @@ def compile_small_m() -> None:
         if split:
             assert "fence.acq_rel.gpu" in ptx and "atom.global" in ptx
         print(f"{label}:ok", flush=True)
+    # the one-token GEMV at the longest row it takes (down's 14336 -> 16384): no spills either
+    args = {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "b_ptr": "*fp32",
+            "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32"}  # fmt: skip
+    ints = dict(N=4096, K=14336, stride_wn=14336)
+    gemv = k8.DEFAULT_GEMV
+    constexprs = dict(HAS_BIAS=False, KB=k8.GEMV_MAX_K, RPP=gemv.rows_per_program, PDL=True)
+    ptx = compile_sm90(k8._gemv_kernel, args, constexprs, gemv.num_warps, ints)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
+    assert "STACK:0 " in ptx, ptx[-300:]
+    print("gemv:ok", flush=True)

@@ -5,10 +5,11 @@ model dtype -> `quantize_per_token` (dynamic: one scale per row, amax / 448) or
 `quantize_per_tensor` (static: the checkpoint's `input_scale`) -> x_fp8 [M, K] + a per-row fp32
 scale [M, 1] -> y[m, n] = s_x[m] * s_w[n] * sum_k x_fp8[m, k] w_fp8[n, k] against the fp8 weight
 [N, K] with its per-output-channel fp32 scale [N] -> y [M, N] in the model dtype. `fp8_linear`
-picks the GEMM by M (fixed per captured CUDA graph, so is the path): up to SMALL_M_MAX tokens
-(decode) `_small_m_kernel`, a Triton tensor-core kernel with the weight as the MMA's large side;
-above, `torch._scaled_mm` (row-wise scaling, fp32 accumulation by cuBLAS on Hopper, CUTLASS on
-Ada). `scaled_mm_unsupported` says, once per layer at load, whether these run here; where they
+picks the GEMM by M (fixed per captured CUDA graph, so is the path): one token (batch-1 decode)
+`_gemv_kernel`, a CUDA-core GEMV (codes widened to fp32, products exact, fp32 sums); up to
+SMALL_M_MAX tokens (decode) `_small_m_kernel`, a Triton tensor-core kernel with the weight as the
+MMA's large side; above, `torch._scaled_mm` (row-wise scaling, fp32 accumulation by cuBLAS on
+Hopper, CUTLASS on Ada). `scaled_mm_unsupported` says, once per layer at load, whether these run here; where they
 do not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the method
 dequantizes the weight at load and keeps the activation rounding with `fake_quantize`.
 
@@ -19,7 +20,7 @@ fp8(clamp(x / s, -448, 448)) with torch's round-to-nearest-even cast. The Triton
 kernel reads x once and reproduces that bit for bit (IEEE division, the same rounding), so the
 GPU paths differ from `reference_fp8_linear` only by the GEMM's summation and the output
 rounding (float32 output, K = 4096, M = 16, max |error| / max |reference|: 4.5e-5 for
-`_small_m_kernel`'s fp8 MMA, 1.4e-4 for `_scaled_mm`).
+`_small_m_kernel`'s fp8 MMA, 1.4e-4 for `_scaled_mm`; the GEMV's fp32 sums 1e-7 or less).
 
 Measured on the H200 (benchmarks/bench_fp8_gpu.py: Llama-3-8B shapes, CUDA-graph replay with
 programmatic dependent launch, weights read from memory, not L2; copy bandwidth 4.2 TB/s). At
@@ -31,19 +32,35 @@ o 11.6, down 33.7 us), 1.46-1.58x at M = 2-16, 1.45x at 32 (_scaled_mm 0.85-0.98
 At M = 64 _scaled_mm is ahead (1.04x bf16 against 0.93x); at 256 it runs 0.94-1.47x bf16 per
 shape.
 
-What still holds M = 1 back: q|k|v and o are small enough (17-25 MB) that a kernel's ramp, first
-loads and split-K epilogue are a large part of it. Not x's quantization launches (128 per decode
-step): the norms and SiLU x mul writing x's codes in their own kernels, 96 launches fewer, gave
-305 tok/s at batch 1 against 311 before (bench_quant_gpu.py), and was dropped. Also measured and
-dropped: the quantization as the
-kernel's prologue (each program takes the amax of the whole row and rounds its own K slice;
-1.0-1.4x slower at M = 1, up to 7.5x at M = 64: the amax and the IEEE divisions repeat in every
-program), L2 prefetches of the weights before `pdl.wait` or a few K steps ahead (0-25 % slower),
-K split towards 4 programs per SM (up to 1.27x slower), one row of x quantized over several
-programs (no change); a CUDA-core GEMV for M = 1 (fp8 -> fp32 conversions, x quantized inside
-it or before; its tiles spilled registers: 0.20-0.38 of copy bandwidth), 32-row tiles (Triton
-widens fp8 to fp16 for mma.sync there: 1.24-1.30x slower at M = 1) and fp16 operands at 64
-rows (1.1-2.6x slower). `use_fast_accum` stays off: at M = 1 it gave 5e-2 relative error.
+At M = 1 the small-M kernel left q|k|v and o (17-25 MB) at 0.40-0.47 of copy bandwidth: a
+kernel's ramp, first loads and split-K epilogue weigh on so little work. The GEMV that replaced it
+there (2026-12-06) streams each row whole: a program takes 2 rows, one at a time, over all of K
+(4 warps: 32 codes a thread at K = 4096, 128 at 14336, no spills), the next row's 16-byte loads
+issued before this row's sum and the first row's before `pdl.wait`; no split, no tensor cores.
+H100 (copy bandwidth 2.93 TB/s), M = 1, us per call, bf16 / `small_m_linear` (with its quantize
+launch) / the GEMV (x already quantized; its fraction of copy bandwidth): q|k|v 20.1 / 15.5 / 9.0
+(0.95), o 16.0 / 11.6 / 6.8 (0.84), gate|up 77.6 / 42.8 / 38.4 (1.04: reads only), down 43.0 /
+29.2 / 21.3 (0.94); quantize launches 1.8 us at K = 4096, 4.9 at 14336 (one program a row). A
+layer: 99.1 us -> 75.5 + 10.4 (1.58x -> 1.82x bf16's 156.7). H200 (bench_fp8_gpu.py `sweep`,
+quantize included): the small-M kernel 13.1 / 9.9 / 31.9 / 22.9 us, `fp8_linear` now 9.3 / 8.0 /
+30.3 / 21.8, bf16 15.9 / 13.5 / 61.2 / 31.3: a layer 1.57x -> 1.76x bf16. In the engine
+(bench_quant_gpu.py `-q fp8`): on that H100 batch 1 252.5 -> 279.5 tok/s (1.67x bf16's 167.4),
+batch 16-64 unchanged; on an H200 340.1 tok/s, 1.55x bf16's 220.1 there (not profiled: at 4.1
+TB/s the weights take 1.95 of the 2.94 ms step, so the step's other kernels, the 128 quantize
+launches among them, weigh more). Earlier, a CUDA-core GEMV with several rows per step and K in
+blocks spilled registers (0.20-0.38 of copy bandwidth); the sweep (rows per program 1-8, 1-2
+rows a step, 4-16 warps) found 2 rows, one a step, on 4 warps within 2 % of each shape's best
+over the layer.
+
+Also measured and dropped: the norms and SiLU x mul writing x's codes in their own kernels (96
+launches fewer: 305 tok/s at batch 1 against 311 before, with the small-M kernel); the
+quantization as the small-M kernel's prologue (each program takes the amax of the whole row and
+rounds its own K slice; 1.0-1.4x slower at M = 1, up to 7.5x at M = 64: the amax and the IEEE
+divisions repeat in every program), L2 prefetches of the weights before `pdl.wait` or a few K
+steps ahead (0-25 % slower), K split towards 4 programs per SM (up to 1.27x slower), one row of x
+quantized over several programs (no change), 32-row tiles (Triton widens fp8 to fp16 for
+mma.sync there: 1.24-1.30x slower at M = 1) and fp16 operands at 64 rows (1.1-2.6x slower).
+`use_fast_accum` stays off: at M = 1 it gave 5e-2 relative error.
 """
 
 from __future__ import annotations
@@ -249,6 +266,37 @@ if triton is not None:
                 y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
             tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _gemv_kernel(
+        q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, N, K, stride_wn,
+        HAS_BIAS: tl.constexpr, KB: tl.constexpr, RPP: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One token: out[n] = s_x * s_w[n] * sum_k x_fp8[k] w_fp8[n, k] (+ bias) for RPP rows per
+        program, one row per step over the whole of K (KB: K rounded up to a power of two), on
+        the CUDA cores: each code widened to fp32 (exact), the products exact in fp32, summed in
+        fp32. The first row's weights are loaded before waiting for the kernels that write x, the
+        next row's before this row's sum."""
+        pdl.release(PDL)
+        kk = tl.arange(0, KB)
+        k_ok = kk < K
+        row = tl.program_id(0) * RPP
+        w = tl.load(w_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok, other=0.0)
+        pdl.wait(PDL)
+        x = tl.load(q_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        sx = tl.load(sx_ptr)
+        for r in tl.static_range(RPP):
+            if r + 1 < RPP:
+                w_next = tl.load(w_ptr + tl.minimum(row + 1, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok,
+                                 other=0.0)  # fmt: skip
+            row_in = tl.minimum(row, N - 1)
+            y = tl.sum(w.to(tl.float32) * x, axis=0) * tl.load(sw_ptr + row_in) * sx
+            if HAS_BIAS:
+                y += tl.load(b_ptr + row_in).to(tl.float32)
+            tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
+            if r + 1 < RPP:
+                w = w_next
+                row += 1
+
 
 def triton_quantize(
     x: torch.Tensor, input_scale: torch.Tensor | None = None
@@ -357,6 +405,43 @@ def small_m_linear(
     return out
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """`_gemv_kernel`'s launch: weight rows per program (one at a time) and warps. The default is
+    the fastest rule over the four Llama-3-8B shapes that benchmarks/bench_fp8_gpu.py measured."""
+
+    rows_per_program: int = 2
+    num_warps: int = 4
+
+
+DEFAULT_GEMV = GemvConfig()
+# Rows up to this many values take the GEMV at one token (a thread holds K / (32 * warps) of x in
+# fp32 registers: 128 at K = 14336, the longest measured); longer ones the small-M kernel.
+GEMV_MAX_K = 16384
+
+
+def gemv_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    cfg: GemvConfig = DEFAULT_GEMV,
+) -> torch.Tensor:
+    """fp8_linear's one-token side for x [1, K]: `triton_quantize`, then `_gemv_kernel`. CUDA, or
+    CPU tensors under TRITON_INTERPRET=1."""
+    q, scale = _quantize(x, input_scale)
+    n, k = weight.shape
+    out = torch.empty((1, n), dtype=out_dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, cfg.rows_per_program),)](
+        q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, KB=triton.next_power_of_2(k), RPP=cfg.rows_per_program, num_warps=cfg.num_warps,
+        **pdl.options(x),
+    )  # fmt: skip
+    return out
+
+
 def scaled_mm_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -387,12 +472,15 @@ def fp8_linear(
     """y = x W^T (+ bias) with W = weight [N, K] float8_e4m3fn (row-major) * weight_scale [N] fp32,
     x [..., K] quantized per token (input_scale None) or with the static per-tensor input_scale
     (or one given scale per token, [M, 1]).
-    Up to SMALL_M_MAX tokens the Triton kernel (`small_m_linear`), above `torch._scaled_mm`
+    One token: the CUDA-core GEMV (`gemv_linear`); up to SMALL_M_MAX tokens the Triton
+    tensor-core kernel (`small_m_linear`), above `torch._scaled_mm`
     (`use_fast_accum` applies there and sends every M there). CUDA, compute capability >= 8.9
     (`scaled_mm_unsupported` returns None); no host sync, so it can be captured in a CUDA graph
     (M is fixed per graph, and so is the path)."""
     flat = x.reshape(-1, x.shape[-1])
-    if 0 < flat.shape[0] <= SMALL_M_MAX and not use_fast_accum:
+    if flat.shape[0] == 1 and flat.shape[1] <= GEMV_MAX_K and not use_fast_accum:
+        y = gemv_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
+    elif 0 < flat.shape[0] <= SMALL_M_MAX and not use_fast_accum:
         y = small_m_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
     else:
         y = scaled_mm_linear(flat, weight, weight_scale, input_scale, out_dtype, bias, use_fast_accum)
