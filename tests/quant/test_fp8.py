@@ -96,7 +96,8 @@ def kernel() -> tuple[object, str]:
     return module, "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("k", [64, 100, 20000])  # one block, a masked block, the two-pass loop
+# one block, a masked block, a row in slices (the last masked), the two-pass loop
+@pytest.mark.parametrize("k", [64, 100, 3000, 20000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_quantize_is_bit_exact(kernel, k: int, dtype: torch.dtype) -> None:  # noqa: ANN001
     module, device = kernel

@@ -40,10 +40,11 @@ issued before this row's sum and the first row's before `pdl.wait`; no split, no
 H100 (copy bandwidth 2.93 TB/s), M = 1, us per call, bf16 / `small_m_linear` (with its quantize
 launch) / the GEMV (x already quantized; its fraction of copy bandwidth): q|k|v 20.1 / 15.5 / 9.0
 (0.95), o 16.0 / 11.6 / 6.8 (0.84), gate|up 77.6 / 42.8 / 38.4 (1.04: reads only), down 43.0 /
-29.2 / 21.3 (0.94); quantize launches 1.8 us at K = 4096, 4.9 at 14336 (one program a row). A
-layer: 99.1 us -> 75.5 + 10.4 (1.58x -> 1.82x bf16's 156.7). H200 (bench_fp8_gpu.py `sweep`,
-quantize included): the small-M kernel 13.1 / 9.9 / 31.9 / 22.9 us, `fp8_linear` now 9.3 / 8.0 /
-30.3 / 21.8, bf16 15.9 / 13.5 / 61.2 / 31.3: a layer 1.57x -> 1.76x bf16. In the engine
+29.2 / 21.3 (0.94); quantize launches 1.8 us at K = 4096, 4.9 at 14336 (then one program a row:
+`triton_quantize` slices decode rows since). A layer: 99.1 us -> 75.5 + 10.4 (1.58x -> 1.82x
+bf16's 156.7). H200 (bench_fp8_gpu.py `sweep`, quantize included): the small-M kernel 13.1 /
+9.9 / 31.9 / 22.9 us, `fp8_linear` now 9.3 / 8.0 / 30.3 / 21.8, bf16 15.9 / 13.5 / 61.2 / 31.3:
+a layer 1.57x -> 1.76x bf16. In the engine
 (bench_quant_gpu.py `-q fp8`): on that H100 batch 1 252.5 -> 279.5 tok/s (1.67x bf16's 167.4),
 batch 16-64 unchanged; on an H200 340.1 tok/s, 1.55x bf16's 220.1 there (not profiled: at 4.1
 TB/s the weights take 1.95 of the 2.94 ms step, so the step's other kernels, the 128 quantize
@@ -57,9 +58,11 @@ launches fewer: 305 tok/s at batch 1 against 311 before, with the small-M kernel
 quantization as the small-M kernel's prologue (each program takes the amax of the whole row and
 rounds its own K slice; 1.0-1.4x slower at M = 1, up to 7.5x at M = 64: the amax and the IEEE
 divisions repeat in every program), L2 prefetches of the weights before `pdl.wait` or a few K
-steps ahead (0-25 % slower), K split towards 4 programs per SM (up to 1.27x slower), one row of x
-quantized over several programs (no change), 32-row tiles (Triton widens fp8 to fp16 for
-mma.sync there: 1.24-1.30x slower at M = 1) and fp16 operands at 64 rows (1.1-2.6x slower).
+steps ahead (0-25 % slower), K split towards 4 programs per SM (up to 1.27x slower), 32-row
+tiles (Triton widens fp8 to fp16 for mma.sync there: 1.24-1.30x slower at M = 1) and fp16
+operands at 64 rows (1.1-2.6x slower). One row of x quantized over several programs made no
+difference then (an engine run, beside the small-M kernel); timed alone it saves 0.5 us at K =
+4096 and 3.1 at 14336, and `triton_quantize` does it at decode sizes since.
 `use_fast_accum` stays off: at M = 1 it gave 5e-2 relative error.
 """
 
@@ -165,25 +168,34 @@ if triton is not None:
     @triton.jit
     def _quantize_rows_kernel(
         x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride_xm,
-        BLOCK: tl.constexpr, STATIC: tl.constexpr, SINGLE: tl.constexpr,
+        BLOCK: tl.constexpr, SLICE: tl.constexpr, STATIC: tl.constexpr, SINGLE: tl.constexpr,
         QMAX: tl.constexpr, SMIN: tl.constexpr, PDL: tl.constexpr, STATIC_STRIDE: tl.constexpr = 0,
     ):  # fmt: skip
-        """One row of x per program: its scale (amax / 448, or the static one: one for all rows,
-        or with STATIC_STRIDE 1 one per row) to s_ptr[row] and the fp8 codes to q_ptr[row, :]."""
+        """A row of x per program along grid axis 0: its scale (amax / 448, or the static one: one
+        for all rows, or with STATIC_STRIDE 1 one per row) to s_ptr[row] and the fp8 codes to
+        q_ptr[row, :]. SINGLE rows (K <= BLOCK) may be cut into slices of SLICE values, one per
+        program along axis 1: each takes the amax of the whole row (a second read, from L2) and
+        divides and rounds its slice only."""
         pdl.release(PDL)
         pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
         x_row = x_ptr + row * stride_xm
         q_row = q_ptr + row * K
         offs = tl.arange(0, BLOCK)
         if SINGLE:
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            so = part * SLICE + tl.arange(0, SLICE)  # SLICE == BLOCK: the whole row
+            x = tl.load(x_row + so, mask=so < K, other=0.0).to(tl.float32)
             if STATIC:
                 s = tl.load(static_scale_ptr + row * STATIC_STRIDE).to(tl.float32)
             else:
-                s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), SMIN)
+                if SLICE < BLOCK:
+                    whole = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+                else:
+                    whole = x
+                s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(whole), axis=0), QMAX), SMIN)
             q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
-            tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+            tl.store(q_row + so, q.to(q_ptr.dtype.element_ty), mask=so < K)
         else:
             if STATIC:
                 s = tl.load(static_scale_ptr + row * STATIC_STRIDE).to(tl.float32)
@@ -197,7 +209,8 @@ if triton is not None:
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
                 q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
                 tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
-        tl.store(s_ptr + row, s)
+        if part == 0:
+            tl.store(s_ptr + row, s)
 
     @triton.jit
     def _small_m_kernel(
@@ -302,7 +315,12 @@ def triton_quantize(
     x: torch.Tensor, input_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel behind `quantize_per_token` / `quantize_per_tensor` (on CPU tensors too
-    under TRITON_INTERPRET=1, as the CPU tests run it). x [M, K], unit stride on K."""
+    under TRITON_INTERPRET=1, as the CPU tests run it). x [M, K], unit stride on K. At decode
+    sizes (M <= SMALL_M_MAX) a row takes K / 1024 programs (K / 2048 past 4096 values), each
+    dividing and rounding its slice: one program a row spent 1.87 us at K = 4096 and 4.68 at
+    14336 (H200, one row, CUDA-graph replay; the same at four rows), sliced 1.37 and 1.62, bit
+    for bit the same codes; the rounding is the longest part, done by one multiprocessor per row
+    before. Larger M keeps one program a row, each row read once."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -312,10 +330,11 @@ def triton_quantize(
         return q, scale
     single = k <= _SINGLE_BLOCK_MAX
     block = triton.next_power_of_2(k) if single else 4096
+    part = min(block, 1024 if k <= 4096 else 2048) if single and m <= SMALL_M_MAX else block
     static = input_scale is not None
-    _quantize_rows_kernel[(m,)](
+    _quantize_rows_kernel[(m, triton.cdiv(k, part) if single else 1)](
         x, q, scale, input_scale if static else scale, k, x.stride(0),
-        BLOCK=block, STATIC=static, SINGLE=single, QMAX=FP8_MAX, SMIN=MIN_SCALE,
+        BLOCK=block, SLICE=part, STATIC=static, SINGLE=single, QMAX=FP8_MAX, SMIN=MIN_SCALE,
         STATIC_STRIDE=int(static and input_scale.numel() > 1), num_warps=min(16, max(1, block // 512)), **pdl.options(x),
     )  # fmt: skip
     return q, scale
