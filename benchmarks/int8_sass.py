@@ -71,7 +71,7 @@ def count(name: str, rows: int, warps: int) -> dict[str, object]:
     ints = SHAPE | extra
     args = COMMON | planes | {arg: "i32" for arg in ints}
     constexprs = constexprs | dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True)
-    stages = 4 if name == "W4g128" else 3  # each rule's
+    stages = triton_int_i8.I8Config().num_stages  # both int8 kernels launch with it
     out = compile_sm90(kernel, args, constexprs, warps, ints, stages, sass=True)
     body = main_loop(out)
     ops = Counter(opcode(t) for t in body)
