@@ -1,6 +1,6 @@
 """FP8 weights on the GPU: `fp8_linear` (the CUDA-core GEMV at one token, the Triton small-M kernel
-up to SMALL_M_MAX tokens, per-token quantization + `torch._scaled_mm` above) checked against `reference_fp8_linear` and
-timed against bf16 F.linear on Llama-3-8B shapes.
+up to SMALL_M_MAX tokens, per-token quantization + `torch._scaled_mm` above) checked against
+`reference_fp8_linear` and timed against bf16 F.linear on Llama-3-8B shapes.
 
     python3 benchmarks/bench_fp8_gpu.py --out $OUT/fp8.json [--sections linear,small,sweep]
         [--ms 1,2,4,8,16,32,64,256] [--workers 12]

@@ -230,8 +230,12 @@ def test_fp8_linear_picks_the_kernel_by_tokens(kernel, monkeypatch: pytest.Monke
     module, device = kernel
     taken: list[str] = []
     for name in ("gemv_linear", "small_m_linear"):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: taken.append(_name) or _real(*a, **kw))
+
+        def spy(*args, _real=getattr(module, name), _name=name, **kwargs):
+            taken.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
     monkeypatch.setattr(module, "GEMV_MAX_K", 256)
     for m, k in ((1, 256), (6, 256), (1, 300)):
         x, w, ws, bias = _small_problem(m, 37, k, m, device)

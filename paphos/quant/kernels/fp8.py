@@ -9,9 +9,9 @@ picks the GEMM by M (fixed per captured CUDA graph, so is the path): one token (
 `_gemv_kernel`, a CUDA-core GEMV (codes widened to fp32, products exact, fp32 sums); up to
 SMALL_M_MAX tokens (decode) `_small_m_kernel`, a Triton tensor-core kernel with the weight as the
 MMA's large side; above, `torch._scaled_mm` (row-wise scaling, fp32 accumulation by cuBLAS on
-Hopper, CUTLASS on Ada). `scaled_mm_unsupported` says, once per layer at load, whether these run here; where they
-do not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the method
-dequantizes the weight at load and keeps the activation rounding with `fake_quantize`.
+Hopper, CUTLASS on Ada). `scaled_mm_unsupported` says, once per layer at load, whether these run
+here; where they do not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the
+method dequantizes the weight at load and keeps the activation rounding with `fake_quantize`.
 
 The activation math is the references' (llm-compressor / compressed-tensors `FP8_DYNAMIC` and
 static `FP8`, see quant-toolchain.md §3): s = amax|x| / 448 per row (clamped to float32 eps, as
@@ -44,14 +44,13 @@ launch) / the GEMV (x already quantized; its fraction of copy bandwidth): q|k|v 
 `triton_quantize` slices decode rows since). A layer: 99.1 us -> 75.5 + 10.4 (1.58x -> 1.82x
 bf16's 156.7). H200 (bench_fp8_gpu.py `sweep`, quantize included): the small-M kernel 13.1 /
 9.9 / 31.9 / 22.9 us, `fp8_linear` now 9.3 / 8.0 / 30.3 / 21.8, bf16 15.9 / 13.5 / 61.2 / 31.3:
-a layer 1.57x -> 1.76x bf16. In the engine
-(bench_quant_gpu.py `-q fp8`): on that H100 batch 1 252.5 -> 279.5 tok/s (1.67x bf16's 167.4),
-batch 16-64 unchanged; on an H200 340.1 tok/s, 1.55x bf16's 220.1 there (not profiled: at 4.1
-TB/s the weights take 1.95 of the 2.94 ms step, so the step's other kernels, the 128 quantize
-launches among them, weigh more). Earlier, a CUDA-core GEMV with several rows per step and K in
-blocks spilled registers (0.20-0.38 of copy bandwidth); the sweep (rows per program 1-8, 1-2
-rows a step, 4-16 warps) found 2 rows, one a step, on 4 warps within 2 % of each shape's best
-over the layer.
+a layer 1.57x -> 1.76x bf16. In the engine (bench_quant_gpu.py `-q fp8`): on that H100 batch 1
+252.5 -> 279.5 tok/s (1.67x bf16's 167.4), batch 16-64 unchanged; on an H200 340.1 tok/s, 1.55x
+bf16's 220.1 there (not profiled: at 4.1 TB/s the weights take 1.95 of the 2.94 ms step, so the
+step's other kernels, the 128 quantize launches among them, weigh more). Earlier, a CUDA-core
+GEMV with several rows per step and K in blocks spilled registers (0.20-0.38 of copy bandwidth);
+the sweep (rows per program 1-8, 1-2 rows a step, 4-16 warps) found 2 rows, one a step, on 4
+warps within 2 % of each shape's best over the layer.
 
 Also measured and dropped: the norms and SiLU x mul writing x's codes in their own kernels (96
 launches fewer: 305 tok/s at batch 1 against 311 before, with the small-M kernel); the
@@ -455,8 +454,8 @@ def gemv_linear(
     out = torch.empty((1, n), dtype=out_dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.rows_per_program),)](
         q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, KB=triton.next_power_of_2(k), RPP=cfg.rows_per_program, num_warps=cfg.num_warps,
-        **pdl.options(x),
+        HAS_BIAS=bias is not None, KB=triton.next_power_of_2(k), RPP=cfg.rows_per_program,
+        num_warps=cfg.num_warps, **pdl.options(x),
     )  # fmt: skip
     return out
 
