@@ -496,12 +496,13 @@ def fp8_linear(
     (`scaled_mm_unsupported` returns None); no host sync, so it can be captured in a CUDA graph
     (M is fixed per graph, and so is the path)."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == 1 and flat.shape[1] <= GEMV_MAX_K and not use_fast_accum:
-        y = gemv_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
-    elif 0 < flat.shape[0] <= SMALL_M_MAX and not use_fast_accum:
-        y = small_m_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
-    else:
+    m, k = flat.shape
+    if use_fast_accum or not 0 < m <= SMALL_M_MAX:
         y = scaled_mm_linear(flat, weight, weight_scale, input_scale, out_dtype, bias, use_fast_accum)
+    elif m == 1 and k <= GEMV_MAX_K:
+        y = gemv_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
+    else:
+        y = small_m_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
