@@ -159,6 +159,15 @@ def test_fp8_cache(window: int | None) -> None:
     compare(case, window=window, k_scale=k_scale, v_scale=v_scale)
 
 
+def test_fp8_cache_under_bf16_queries_beyond_fp16_range() -> None:
+    """Under bf16 queries an fp8 cache is attended in fp16 (one conversion per pair of cache values
+    instead of two per value through bf16): queries past fp16's 65504 still attend as the
+    reference does, since q is multiplied by the softmax scale before it is rounded to fp16."""
+    case = make_case(MIXED, 2, 4, cache_dtype=FP8, k_scale=0.05, v_scale=0.5, q_gain=3e4, seed=12)
+    assert case.q.abs().max() > 65504
+    compare(case, k_scale=0.05, v_scale=0.5)
+
+
 def test_fp8_cache_reference_roundtrip() -> None:
     """The oracle itself: an fp8 cache reads back within e4m3's precision of the written value."""
     cache = torch.zeros(3, 2, 4, 1, 8, dtype=FP8)
