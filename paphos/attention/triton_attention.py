@@ -17,10 +17,10 @@ Data flow: model runner (AttentionMetadata) -> model -> attention layer -> Trito
 Every kernel reads K/V through the block table ([num_blocks, 2, block_size, Hkv, D] cache),
 accumulates in fp32 and uses the softmax in base 2 (scores are pre-multiplied by log2(e)).
 An fp8 cache under bf16 queries is multiplied in fp16 (`_dot_mode` says why). Measured on an H100
-(benchmarks/gpu_attention_check.py, CUDA-graph replay): decoding 64 sequences of 4096 tokens
-0.322 -> 0.281 ms (a bf16 cache: 0.419), a 4 x 4096 prefill unchanged at 2.39 ms (bf16 cache
-1.74-1.81; its 128 x 32 tiles spill a few registers either way); offline with FP8 weights (200
-prompts, 1000 tokens in and out) 8428 output tok/s with a bf16 cache, 9600 with the fp8 one.
+(benchmarks/gpu_attention_check.py): decoding 64 sequences of 4096 tokens 0.322 -> 0.281 ms
+(CUDA-graph replay; a bf16 cache: 0.419), a 4 x 4096 prefill unchanged at 2.39 ms (eager; bf16
+cache 1.74-1.81; its 128 x 32 tiles spill a few registers either way); offline with FP8 weights
+(200 prompts, 1000 tokens in and out) 8428 output tok/s with a bf16 cache, 9600 with the fp8 one.
 Only Triton APIs present in 3.6 are used (the H200 image); tests run them under TRITON_INTERPRET=1.
 """
 
@@ -678,8 +678,8 @@ def _read_scales(
 ) -> tuple[float, float, float]:
     """(q's pre-scale, the scores' scale after it, v's scale) for reading the cache; the fp8
     scales apply to fp8 caches only (as in write_kv_cache), so fp16/bf16 caches ignore them.
-    DOT_FP16 multiplies q by the softmax scale before rounding it to fp16: 1 / sqrt(D) of
-    headroom below fp16's 65504 for bf16 queries, and the scores come out the same."""
+    DOT_FP16 multiplies q by the softmax scale before rounding it to fp16 (headroom below fp16's
+    65504 for bf16 queries: sqrt(D) with the usual scale), and the scores come out the same."""
     if kv_cache.dtype not in FP8_KV_DTYPES:
         return 1.0, float(scale), 1.0
     if dot == DOT_FP16:
@@ -692,8 +692,8 @@ def _dot_mode(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
     - an fp8 cache under bf16 queries: fp16. e4m3 / e5m2 widen to fp16 in one conversion per
       pair of values, to bf16 only through fp16 and a second, per-value conversion (F2F, 16 a
       cycle per multiprocessor on Hopper: fewer values than the cache streams at full
-      bandwidth), so the fp8 cache read slower than bf16. fp16 holds every e4m3 value and bf16
-      query exactly (subnormals aside); the softmax weights round to fp16's 11 bits, not bf16's 8;
+      bandwidth), which ate what the halved bytes saved. fp16 holds every e4m3 value; q times
+      the softmax scale and the softmax weights round to fp16's 11 bits, not bf16's 8;
     - bf16 off the GPU (TRITON_INTERPRET=1): fp32, since the interpreter keeps bf16 as raw uint16
       bits and its dot multiplies those integers (bf16 -> fp32 is exact);
     - otherwise q's dtype."""
