@@ -219,6 +219,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     import itertools
 
     from paphos.attention import triton_attention as ta
+    from paphos.attention import triton_prefill as tp
 
     dev = torch.device("cuda")
     rows = []
@@ -262,8 +263,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                     )  # fmt: skip
                 else:
                     fn = functools.partial(
-                        ta.paged_attention_prefill, q, cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                        out, scale=0.1, config=ta.PrefillConfig(*params),
+                        tp.paged_attention_prefill, q, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                        out, scale=0.1, config=tp.PrefillConfig(*params),
                     )  # fmt: skip
                 row = {"kind": kind, "shape": case.name, "params": list(params), "ms": graph_ms(fn)}
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config

@@ -1,7 +1,7 @@
 """TritonAttentionBackend: the GPU implementation of the `AttentionBackend` protocol.
 
 Data flow: model runner (builds AttentionMetadata) -> model -> attention layer -> `forward` here
--> Triton kernels in triton_attention.py. Per call (one layer, one step):
+-> Triton kernels in triton_attention.py (decode) and triton_prefill.py. Per call (one layer, one step):
   1. the rotary embedding (when the layer hands it over) and the K/V store at `slot_mapping`
      (fp8 caches: x / k_scale) in one kernel (triton_kv_write.py);
   2. decode rows (query_len 1) go through the split-KV decode kernel (+ its merge kernel, which
@@ -27,13 +27,9 @@ import triton
 
 from paphos.attention.backend import FP8_KV_DTYPES, Rotary
 from paphos.attention.metadata import AttentionMetadata
-from paphos.attention.triton_attention import (
-    DecodeConfig,
-    PrefillConfig,
-    paged_attention_decode,
-    paged_attention_prefill,
-)
+from paphos.attention.triton_attention import DecodeConfig, paged_attention_decode
 from paphos.attention.triton_kv_write import rope_and_write_kv_cache_triton, write_kv_cache_triton
+from paphos.attention.triton_prefill import PrefillConfig, paged_attention_prefill
 from paphos.layers.x_int8_outputs import Int8Outputs
 
 _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, *FP8_KV_DTYPES)

@@ -1,11 +1,11 @@
 """Triton kernels that store this step's K/V rows in the paged cache by slot mapping.
 
 Data flow: attention layer -> TritonAttentionBackend (triton_backend.py) -> here, before the
-attention kernels of triton_attention.py read the cache. One program per token writes its
-[Hkv, D] tile at its slot (a negative slot marks a padding row: not stored); an fp8 cache stores
-x / scale, saturated and rounded to nearest even. `rope_and_write_kv_cache_triton` also applies
-the rotary embedding to q and k first (paphos/layers/fused.py's rotation), one launch per layer
-instead of two. The torch references are `write_kv_cache` in backend.py and `RotaryEmbedding`;
+attention kernels (triton_attention.py, triton_prefill.py) read the cache. One program per token
+writes its [Hkv, D] tile at its slot (a negative slot marks a padding row: not stored); an fp8
+cache stores x / scale, saturated and rounded to nearest even. `rope_and_write_kv_cache_triton`
+also applies the rotary embedding to q and k first (paphos/layers/fused.py's rotation), one launch
+per layer instead of two. The torch references are `write_kv_cache` in backend.py and `RotaryEmbedding`;
 tests compare them byte for byte.
 """
 

@@ -505,7 +505,7 @@ def gather_rows(seg: Segment, ids: torch.Tensor, dst: torch.Tensor, block_n: int
 
 def _dot_fp32(x: torch.Tensor) -> bool:
     """Feed tl.dot fp32 off the GPU (TRITON_INTERPRET=1): the interpreter keeps bf16 as raw
-    uint16 bits and its dot multiplies those integers (see triton_attention._dot_mode)."""
+    uint16 bits and its dot multiplies those integers (see triton_attention.dot_mode)."""
     return x.device.type != "cuda" and x.dtype == torch.bfloat16
 
 

@@ -1,7 +1,7 @@
 """Run the Triton attention kernels under the Triton interpreter (CPU tensors, no GPU).
 
 TRITON_INTERPRET is read when a kernel is decorated with @triton.jit, i.e. when
-the kernel modules (paphos.attention.triton_attention, triton_kv_write) are imported. tests/conftest.py sets it suite-wide on machines
+the kernel modules (paphos.attention.triton_attention, triton_prefill, triton_kv_write) are imported. tests/conftest.py sets it suite-wide on machines
 without CUDA; here it is forced only around the import of that module, also on a GPU machine, and
 restored at once. If an earlier test had imported the module compiled, it is re-imported
 interpreted for these tests and compiled again afterwards, so the rest of the suite is unchanged.
@@ -24,7 +24,8 @@ _MODULES = (
     ("paphos.layers.x_int8_blocks", "store_blocks"),
     ("paphos.layers.x_int8_outputs", "write_after_store"),
     ("paphos.layers.fused", "_rope_kernel"),  # its rotation is part of the K/V write kernel
-    ("paphos.attention.triton_attention", "_prefill_kernel"),
+    ("paphos.attention.triton_attention", "_decode_split_kernel"),
+    ("paphos.attention.triton_prefill", "_prefill_kernel"),  # after the helpers it imports
     ("paphos.attention.triton_kv_write", "_write_kv_kernel"),
 )
 

@@ -53,17 +53,18 @@ def _decode(cache: str) -> None:
 
 def _prefill(cache: str) -> None:
     from paphos.attention import triton_attention as ta
+    from paphos.attention import triton_prefill as tp
 
     args = {"q_ptr": "*bf16", "out_ptr": "*bf16", "cache_ptr": _CACHE[cache], "block_tables_ptr": "*i32",
             "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "num_seqs": "i32",
             **{name: "i32" for name in _STRIDES}, **_SCALARS}  # fmt: skip
-    ta._num_sms = lambda device: 132  # an H100 / H200, as the config rule would query it
-    cfg = ta.default_prefill_config(128, _Cuda(), num_tiles_at_128=4096)  # a 4 x 4096 prefill's tiles
+    tp._num_sms = lambda device: 132  # an H100 / H200, as the config rule would query it
+    cfg = tp.default_prefill_config(128, _Cuda(), num_tiles_at_128=4096)  # a 4 x 4096 prefill's tiles
     dot = ta.DOT_FP16 if cache == "fp8" else ta.DOT_AS_IS
     constexprs = dict(GROUP=4, BLOCK_G=4, BLOCK_Q=cfg.block_m // 4, BLOCK_D=128, BLOCK_N=cfg.block_n, BLOCK_SIZE=16,
                       SKIP_DECODE=True, USE_WINDOW=False, USE_SOFTCAP=False, DOT=dot)  # fmt: skip
     ints = _INTS | {"num_seqs": 4}
-    ptx = compile_sm90(ta._prefill_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+    ptx = compile_sm90(tp._prefill_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     print(re.search(r"REG:\d+ STACK:\d+", ptx).group(0), file=sys.stderr)  # 128 x 32 tiles spill a little
     _check_conversions(ptx, cache)
 

@@ -14,6 +14,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from paphos.attention import triton_attention as ta
 from paphos.attention import triton_kv_write as tw
+from paphos.attention import triton_prefill as tp
 from paphos.attention.backend import AttentionBackend, write_kv_cache
 from paphos.attention.metadata import AttentionMetadata
 from paphos.attention.testing import allocate_block_tables, build_metadata
@@ -103,7 +104,7 @@ def test_kernels_run_in_the_interpreter_on_cpu_tensors() -> None:
         tw._write_kv_kernel,
         ta._decode_split_kernel,
         ta._decode_reduce_kernel,
-        ta._prefill_kernel,
+        tp._prefill_kernel,
     ):
         assert isinstance(kernel, InterpretedFunction)
     case = make_case([(1, 5), (3, 3)], 1, 2)
@@ -326,7 +327,7 @@ def test_prefill_kernel_alone_covers_decode_rows() -> None:
     tw.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
     out = torch.empty_like(case.q)
     md = case.md
-    ta.paged_attention_prefill(
+    tp.paged_attention_prefill(
         case.q, tri_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
         scale=case.scale, sliding_window=6, skip_decode_rows=False,
     )  # fmt: skip
@@ -341,9 +342,9 @@ def test_gpu_tile_configs() -> None:
     tw.write_kv_cache_triton(case.k, case.v, tri_cache, case.md.slot_mapping)
     out = torch.empty_like(case.q)
     md = case.md
-    ta.paged_attention_prefill(
+    tp.paged_attention_prefill(
         case.q, tri_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
-        scale=case.scale, config=ta.PrefillConfig(128, 32, 4, 2),
+        scale=case.scale, config=tp.PrefillConfig(128, 32, 4, 2),
     )  # fmt: skip
     ta.paged_attention_decode(
         case.q, tri_cache, md.block_tables, md.seq_lens, out, scale=case.scale, num_splits=2,
