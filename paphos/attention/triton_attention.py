@@ -326,8 +326,7 @@ def paged_attention_decode(
         return
     q = last_dim_contiguous(q)
     check_out(out, q)
-    dot = dot_mode(q, kv_cache)
-    q_prescale, qk_scale, v_read_scale = read_scales(dot, kv_cache, scale, k_scale, v_scale)
+    shared = launch_args(q, out, kv_cache, block_tables, scale, k_scale, v_scale, soft_cap, sliding_window)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     group = num_heads // num_kv_heads
@@ -351,31 +350,14 @@ def paged_attention_decode(
         block_tables,
         seq_lens,
         qsl,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
-        head_dim,
-        q_prescale,
-        qk_scale,
-        v_read_scale,
-        float(soft_cap or 0.0),
-        int(sliding_window or 0),
+        *shared.positional,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=cfg.block_n,
-        BLOCK_SIZE=kv_cache.shape[2],
         NUM_SPLITS=num_splits,
         MIXED=mixed,
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=soft_cap is not None,
-        DOT=dot,
+        **shared.constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl.options(q),
@@ -384,7 +366,7 @@ def paged_attention_decode(
         heads, parts = _reduce_outputs(out, int8_outputs, mixed, head_dim)
         _decode_reduce_kernel[(num_seqs, num_heads // heads)](
             out, part_out, part_lse, qsl, *parts.args, out.shape[0], out.stride(0), out.stride(1), head_dim,
-            v_read_scale, BLOCK_D=block_d, NUM_SPLITS=num_splits, MIXED=mixed, HEADS=heads, **parts.constexprs,
+            shared.v_scale, BLOCK_D=block_d, NUM_SPLITS=num_splits, MIXED=mixed, HEADS=heads, **parts.constexprs,
             num_warps=4, **pdl.options(q),
         )  # fmt: skip
 
@@ -440,6 +422,33 @@ def dot_mode(q: torch.Tensor, kv_cache: torch.Tensor) -> int:
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """What the decode and prefill kernels take alike: `positional` follows their sequence
+    pointers (q's, out's, the cache's and the block table's strides, head_dim, the three scales,
+    the soft cap, the window), `constexprs` their flags; `v_scale` also serves the merge kernel."""
+
+    positional: tuple[int | float, ...]
+    constexprs: dict[str, int | bool]
+    v_scale: float
+
+
+def launch_args(
+    q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    k_scale: float, v_scale: float, soft_cap: float | None, sliding_window: int | None,
+) -> LaunchArgs:  # fmt: skip
+    """The shared launch arguments of one attention call (q already last-dim contiguous)."""
+    dot = dot_mode(q, kv_cache)
+    q_prescale, qk_scale, v_read_scale = read_scales(dot, kv_cache, scale, k_scale, v_scale)
+    positional = (
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_cache.stride()[:4], block_tables.stride(0),
+        q.shape[2], q_prescale, qk_scale, v_read_scale, float(soft_cap or 0.0), int(sliding_window or 0),
+    )  # fmt: skip
+    constexprs = dict(BLOCK_SIZE=kv_cache.shape[2], USE_WINDOW=sliding_window is not None,
+                      USE_SOFTCAP=soft_cap is not None, DOT=dot)  # fmt: skip
+    return LaunchArgs(positional, constexprs, v_read_scale)
 
 
 def check_out(out: torch.Tensor, q: torch.Tensor) -> None:

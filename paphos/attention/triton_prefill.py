@@ -20,12 +20,11 @@ import triton.language as tl
 
 from paphos.attention.triton_attention import (
     check_out,
-    dot_mode,
     dot_q,
     last_dim_contiguous,
+    launch_args,
     load_kv_tile,
     online_softmax_step,
-    read_scales,
     scores,
 )
 
@@ -241,8 +240,7 @@ def paged_attention_prefill(
         return
     q = last_dim_contiguous(q)
     check_out(out, q)
-    dot = dot_mode(q, kv_cache)
-    q_prescale, qk_scale, v_read_scale = read_scales(dot, kv_cache, scale, k_scale, v_scale)
+    shared = launch_args(q, out, kv_cache, block_tables, scale, k_scale, v_scale, soft_cap, sliding_window)
     group = num_heads // num_kv_heads
     block_g = triton.next_power_of_2(group)
     cfg = config or default_prefill_config(
@@ -260,31 +258,14 @@ def paged_attention_prefill(
         seq_lens,
         query_start_loc,
         num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
-        head_dim,
-        q_prescale,
-        qk_scale,
-        v_read_scale,
-        float(soft_cap or 0.0),
-        int(sliding_window or 0),
+        *shared.positional,
         GROUP=group,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=cfg.block_n,
-        BLOCK_SIZE=kv_cache.shape[2],
         SKIP_DECODE=skip_decode_rows,
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=soft_cap is not None,
-        DOT=dot,
+        **shared.constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
