@@ -90,6 +90,93 @@ def engine_steps(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tu
     return steps
 
 
+def offline_run(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, profile_at: int | None = None
+) -> dict[str, Any]:
+    """Every prompt to completion one engine step at a time (as `LLM.generate` runs them): output
+    tok/s, and where the wall time went: steps that only decode against steps that also prefill,
+    decode step times by batch size, preemptions and the KV cache's fill. `profile_at`: after
+    that many decode-only steps, `kernel_profile` of the next 4 (and of the first step that
+    prefills a full token budget): what a step at this workload's batch spends per kernel."""
+    engine = llm.engine
+    scheduler = engine.scheduler
+    scheduled: list[tuple[int, int]] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule() -> Any:
+        out = schedule()
+        scheduled.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+        return out
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    produced = 0
+    steps: list[tuple[float, int, int]] = []  # (seconds, tokens, requests)
+    profiles: dict[str, Any] = {}
+    profiled_s, profiled_tokens = 0.0, 0  # the profiled steps', left out of the throughput
+    preempted_before = scheduler.num_preemptions_total
+    peak_running, peak_kv = 0, 0.0
+
+    def one_step() -> None:
+        nonlocal produced, peak_running, peak_kv
+        for delta in engine.step():
+            produced += sum(len(c.token_ids) for c in delta.outputs)
+        peak_running, peak_kv = max(peak_running, scheduler.num_running), max(peak_kv, scheduler.kv_usage)
+
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"offline-{time.monotonic_ns()}-{i}", prompt, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = t0 = time.perf_counter()
+        decode_steps = 0
+        while engine.has_unfinished_requests():
+            one_step()
+            t1 = time.perf_counter()
+            steps.append((t1 - t0, *scheduled[-1]))
+            tokens, requests = scheduled[-1]
+            decode_steps += tokens == requests
+            before = produced
+            if profile_at is not None and "decode" not in profiles and decode_steps >= profile_at:
+                profiles["decode"] = {"requests": requests, **kernel_profile(one_step, 4)}
+                print_profile(f"offline decode step ({requests} sequences)", profiles["decode"])
+            elif profile_at is not None and "prefill" not in profiles and tokens >= scheduler.max_num_batched_tokens:
+                profiles["prefill"] = {"tokens": tokens, "requests": requests, **kernel_profile(one_step, 1)}
+                print_profile(f"offline prefill step ({tokens} tokens)", profiles["prefill"])
+            t0, profiled_s = time.perf_counter(), profiled_s + time.perf_counter() - t1
+            profiled_tokens += produced - before
+        elapsed = time.perf_counter() - start - profiled_s
+    finally:
+        scheduler.schedule = schedule  # type: ignore[method-assign]
+    decode = [(t, r) for t, tok, r in steps if tok == r]
+    mixed = [(t, tok, r) for t, tok, r in steps if tok != r]
+    by_batch: dict[str, Any] = {}
+    for low, high in ((1, 63), (64, 127), (128, 191), (192, 255), (256, 1 << 20)):
+        times = [t for t, r in decode if low <= r <= high]
+        if times:
+            by_batch[f"{low}-{min(high, max(r for _, r in decode))}"] = {
+                "steps": len(times), "seconds": sum(times), "median_ms": statistics.median(times) * 1e3}
+    return {
+        "prompts": len(prompts), "seconds": elapsed, "output_tok_s": (produced - profiled_tokens) / elapsed,
+        "total_tok_s": (produced - profiled_tokens + sum(map(len, prompts))) / elapsed,
+        "decode_only": {"steps": len(decode), "seconds": sum(t for t, _ in decode),
+                        "mean_batch": statistics.fmean(r for _, r in decode) if decode else 0.0, "by_batch": by_batch},
+        "with_prefill": {"steps": len(mixed), "seconds": sum(t for t, _, _ in mixed),
+                         "prefill_tokens": sum(tok - r for _, tok, r in mixed)},
+        "preemptions": scheduler.num_preemptions_total - preempted_before,
+        "peak_running": peak_running, "peak_kv_usage": peak_kv, **profiles,
+    }  # fmt: skip
+
+
+def print_offline(name: str, run: dict[str, Any]) -> None:
+    d, m = run["decode_only"], run["with_prefill"]
+    print(f"{name}: {run['output_tok_s']:.0f} output tok/s in {run['seconds']:.1f} s; decode-only steps "
+          f"{d['steps']} in {d['seconds']:.1f} s (mean batch {d['mean_batch']:.0f}), steps with prefill "
+          f"{m['steps']} in {m['seconds']:.1f} s ({m['prefill_tokens']} tokens); {run['preemptions']} preemptions, "
+          f"peak {run['peak_running']} running, KV {run['peak_kv_usage']:.0%}", flush=True)
+    for batch, row in d["by_batch"].items():
+        print(f"   batch {batch}: {row['steps']} steps, {row['seconds']:.1f} s, median {row['median_ms']:.2f} ms")
+
+
 def kernel_profile(fn: Callable[[], object], calls: int, top: int = 25) -> dict[str, Any]:
     """`fn` run `calls` times under torch.profiler (CPU ops and CUDA kernels, CUDA graph replays'
     kernels included): per call, the GPU time of each kernel (top `top`), the GPU busy time, the
@@ -469,14 +556,9 @@ def section_offline(bench: Bench) -> dict[str, Any]:
     llm = bench.llm()
     out = {}
     for name, n, inp, outp in (("128x32_2048", 128, 32, 2048), ("1000x1000_1000", bench.args.offline_prompts, 1000, 1000)):
-        prompts = random_prompts(n, inp, vocab, 99 + n)
         params = SamplingParams(temperature=0.0, max_tokens=outp, ignore_eos=True)
-        t0 = time.perf_counter()
-        results = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - t0
-        produced = sum(len(r.outputs[0].token_ids) for r in results)
-        out[name] = {"prompts": n, "seconds": elapsed, "output_tok_s": produced / elapsed,
-                     "total_tok_s": (produced + n * inp) / elapsed}
+        out[name] = offline_run(llm, random_prompts(n, inp, vocab, 99 + n), params)
+        print_offline(f"offline {name}", out[name])
     return out
 
 

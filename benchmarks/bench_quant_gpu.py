@@ -32,7 +32,10 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
                  (8/6/4-bit) ones; 6-bit heads
   fp8            dummy bf16 weights quantized at load (`quantization="fp8"`: per-channel weight
                  scales, dynamic per-token activations; the same kernels as an FP8 checkpoint)
-  fp8_offline, bf16_offline   1000 prompts x 1000 tokens in, 1000 out (`LLM.generate`)
+  fp8_offline, bf16_offline   1000 prompts x 1000 tokens in, 1000 out (`LLM.generate`'s loop),
+                 with where the time went (bench_gpu.offline_run: decode-only steps by batch,
+                 steps with prefill, preemptions, the KV cache's fill; with --profile, the
+                 kernels of a decode step at full batch and of a full prefill step)
   fp8_offline_kv8, bf16_offline_kv8   the same with an fp8 KV cache (at this batch the KV cache's
                  reads outweigh the weights')
 Each engine section (paphos.LLM, CUDA graphs): batch-1 decode tok/s with the GB/s of the weight
@@ -64,6 +67,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_gpu import (  # noqa: E402
     engine_steps,
+    offline_run,
+    print_offline,
     print_profile,
     profile_decode,
     profile_prefill,
@@ -99,7 +104,7 @@ class Bench:
 
     def llm(self, path: Path | None, **extra: Any) -> LLM:
         kwargs: dict[str, Any] = dict(
-            tokenizer=str(self.tokenizer_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=256,
+            tokenizer=str(self.tokenizer_dir), dtype="bfloat16", max_model_len=4096, max_num_seqs=self.args.max_num_seqs,
             max_num_batched_tokens=self.args.max_num_batched_tokens, gpu_memory_utilization=self.args.gmu,
             enable_prefix_caching=False,
         )  # fmt: skip
@@ -191,15 +196,14 @@ def offline(bench: Bench, **extra: Any) -> dict[str, Any]:
     llm = bench.llm(None, **extra)
     try:
         prompts = random_prompts(bench.args.offline_prompts, 1000, vocab, 99)
-        t0 = time.perf_counter()
-        results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
-        elapsed = time.perf_counter() - t0
+        params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        run = offline_run(llm, prompts, params, profile_at=300 if bench.args.profile else None)
     finally:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    produced = sum(len(r.outputs[0].token_ids) for r in results)
-    return {"prompts": len(prompts), "seconds": elapsed, "output_tok_s": produced / elapsed}
+    print_offline(f"offline {len(prompts)} x 1000 in, 1000 out", run)
+    return run
 
 
 def _checkpoint(bench: Bench, fmt: str) -> Path:
@@ -464,6 +468,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
     parser.add_argument("--gmu", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--offline-prompts", type=int, default=1000)
     parser.add_argument("--fixtures", default="*", help="fixtures section: a glob of the fixture names (e.g. 'exl2*')")
     parser.add_argument("--profile", action="store_true", help="engine sections: profile batch-1 and batch-16 decode steps and a pp512 step (per-kernel "

@@ -228,6 +228,9 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         ("decode", Case("b64 ctx4096 fp8", [1] * 64, [4096] * 64, kv_dtype="fp8")),
         ("decode", Case("b1 ctx4096", [1], [4096])),
         ("decode", Case("b256 ctx4096", [1] * 256, [4096] * 256)),
+        # The offline 1000 x 1000 workload's decode steps: 256 sequences, ~1500 tokens each.
+        ("decode", Case("b256 ctx1536", [1] * 256, [1536] * 256)),
+        ("decode", Case("b256 ctx1536 fp8", [1] * 256, [1536] * 256, kv_dtype="fp8")),
         ("prefill", Case("4x4096", [4096] * 4, [4096] * 4)),
         ("prefill", Case("chunk 512 after 3584", [512], [4096])),
         ("prefill", Case("D256 2x2048", [2048] * 2, [2048] * 2, num_heads=16, head_dim=256)),
@@ -247,7 +250,9 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         out = torch.empty_like(q)
         if kind == "decode":
             splits = TritonAttentionBackend().num_splits(len(case.seq_lens), case.num_kv_heads, dev)
-            grid = itertools.product([32, 64, 128], [4, 8], [2, 3], sorted({splits, max(1, splits // 2)}))
+            fp8 = case.kv_dtype == "fp8"  # half the bytes a token: longer tiles and deeper pipelines
+            grid = itertools.product([64, 128, 256] if fp8 else [32, 64, 128], [4, 8], [2, 3, 4] if fp8 else [2, 3],
+                                     sorted({splits, max(1, splits // 2)}))  # fmt: skip
         else:
             small = case.head_dim > 128  # D 256: register and shared-memory pressure
             grid = itertools.product(
@@ -267,11 +272,20 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                         out, scale=0.1, config=tp.PrefillConfig(*params),
                     )  # fmt: skip
                 row = {"kind": kind, "shape": case.name, "params": list(params), "ms": graph_ms(fn)}
+                if kind == "decode":  # K and V of every context token, read once
+                    kv_bytes = 2 * sum(case.seq_lens) * case.num_kv_heads * case.head_dim * cache.element_size()
+                    row["GBps"] = kv_bytes / row["ms"] / 1e6
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 row = {"kind": kind, "shape": case.name, "params": list(params), "error": str(exc)[:200]}
             rows.append(row)
         best = sorted((r for r in rows if r["shape"] == case.name and "ms" in r), key=lambda r: r["ms"])[:4]
-        print(f"{kind} {case.name}: " + "; ".join(f"{r['params']} {r['ms']:.4f}ms" for r in best))
+        print(f"{kind} {case.name}: " + "; ".join(
+            f"{r['params']} {r['ms']:.4f}ms" + (f" {r['GBps']:.0f} GB/s" if "GBps" in r else "") for r in best))
+        if kind == "decode":
+            default = ta.default_decode_config(case.head_dim, dev, cache_dtype)
+            now = [r for r in rows if r["shape"] == case.name and "ms" in r
+                   and r["params"][:3] == [default.block_n, default.num_warps, default.num_stages]]
+            print("   default " + "; ".join(f"{r['params']} {r['ms']:.4f}ms {r['GBps']:.0f} GB/s" for r in now))
         sys.stdout.flush()
         torch.cuda.empty_cache()
     return rows
