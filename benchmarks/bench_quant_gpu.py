@@ -433,9 +433,22 @@ for _name in FORMATS:
 
 def print_table(results: dict[str, Any]) -> None:
     base = results.get("bf16", {})
+    names = ("bf16", "gptq", "gptq_actorder", "gptq_actorder_sym", "awq", "ct_w4a16", "exl2", "exl2_mix", "fp8")
+    if any(name in results for name in names):
+        print_engine_table(results, base, names)
+    offline_base = results.get("bf16_offline", {}).get("output_tok_s")
+    for name in ("bf16_offline", "fp8_offline", "bf16_offline_kv8", "fp8_offline_kv8"):
+        run = results.get(name, {})
+        if "output_tok_s" in run:
+            ratio = f", {run['output_tok_s'] / offline_base:.2f}x bf16_offline" if offline_base else ""
+            print(f"{name}: {run['output_tok_s']:.0f} output tok/s ({run['seconds']:.0f} s, {run['prompts']} prompts"
+                  f"{ratio}, {run['preemptions']} preemptions)")
+
+
+def print_engine_table(results: dict[str, Any], base: dict[str, Any], names: tuple[str, ...]) -> None:
     print(f"\n{'':16} {'b1 tok/s':>9} {'x bf16':>7} {'GB/s':>7} {'of copy':>8} {'b16':>8} {'x bf16':>7} "
           f"{'b32':>8} {'x bf16':>7} {'b64':>8} {'x bf16':>7} {'pp512':>8} {'GPU GB':>7} {'/file':>6}")  # fmt: skip
-    for name in ("bf16", "gptq", "gptq_actorder", "gptq_actorder_sym", "awq", "ct_w4a16", "exl2", "exl2_mix", "fp8"):
+    for name in names:
         r = results.get(name)
         if not r or "batch1" not in r:
             if r:
@@ -454,9 +467,6 @@ def print_table(results: dict[str, Any]) -> None:
               f"{r['pp512']['tok_s']:8.0f} {mem['weights_GB']:7.2f} {over:>6}")  # fmt: skip
         for line in r.get("kernels", []):
             print(f"{'':16} {line}")
-    for name in ("bf16_offline", "fp8_offline", "bf16_offline_kv8", "fp8_offline_kv8"):
-        if "output_tok_s" in results.get(name, {}):
-            print(f"{name}: {results[name]['output_tok_s']:.0f} output tok/s ({results[name]['seconds']:.0f} s)")
 
 
 def main() -> None:
