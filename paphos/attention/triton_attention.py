@@ -16,8 +16,10 @@ Every kernel reads K/V through the block table ([num_blocks, 2, block_size, Hkv,
 accumulates in fp32 and uses the softmax in base 2 (scores are pre-multiplied by log2(e)).
 An fp8 cache under bf16 queries is multiplied in fp16 (`dot_mode` says why). Measured on an H100
 (benchmarks/gpu_attention_check.py): decoding 64 sequences of 4096 tokens 0.322 -> 0.281 ms
-(CUDA-graph replay; a bf16 cache: 0.419), a 4 x 4096 prefill unchanged at 2.39 ms (eager; bf16
-cache 1.74-1.81; its 128 x 32 tiles spill a few registers either way); offline with FP8 weights
+(CUDA-graph replay; a bf16 cache: 0.419), and with V widened where it is loaded (`widen_v`) 256
+sequences of 1536 tokens 0.374 -> 0.315 ms (2.15 -> 2.56 TB/s; a bf16 cache 0.541, 2.98 TB/s);
+a 4 x 4096 prefill unchanged at 2.39 ms (eager; bf16 cache 1.74-1.81; its 128 x 32 tiles spill
+a few registers either way; its V already converts where it loads); offline with FP8 weights
 (1000 prompts, 1000 tokens in and out) 8445 output tok/s with a bf16 cache, 10788 with the fp8
 one (bf16 weights and cache: 6281), where decode attention is 60 % of a 256-sequence step.
 Only Triton APIs present in 3.6 are used (the H200 image); tests run them under TRITON_INTERPRET=1.
@@ -99,6 +101,22 @@ def load_kv_tile(
         base[:, None] + stride_ckv + offs_d[None, :], mask=tok_valid[:, None] & d_valid[None, :], other=0.0
     )
     return k_t, v
+
+
+@triton.jit
+def widen_v(v, tok_valid, dtype: tl.constexpr):
+    """The V tile [N, D] in the dot's dtype, converted where it was loaded. The select on the valid
+    tokens changes no value (the load zero-fills the others) but anchors the conversion in the
+    load's layout: without it Triton reads an fp8 tile from shared memory straight into the
+    dot's operand layout, which runs along the tokens while V's bytes run along D, one byte-wide
+    LDS per value (128 a thread per 128-token tile on sm_90), where this way the tile moves in
+    16-byte loads and is transposed in fp16 by ldmatrix. A tile already in the dot's dtype is
+    left alone (the select would move it through registers for nothing)."""
+    if v.dtype == dtype:
+        widened = v
+    else:
+        widened = tl.where(tok_valid[:, None], v.to(dtype), 0.0)
+    return widened
 
 
 @triton.jit
@@ -208,7 +226,7 @@ def _decode_split_kernel(
         )  # fmt: skip
         s = scores(q, k_t.to(q.dtype), qk_scale, soft_cap, USE_SOFTCAP)
         s = tl.where(tok_valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype))
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, widen_v(v, tok_valid, q.dtype))
 
     # Empty segments (short contexts, padding rows with seq_len 0) leave l = 0: write zeros.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -288,7 +306,9 @@ def default_decode_config(head_dim: int, device: torch.device, cache_dtype: torc
     # Measured on an H200 (benchmarks/gpu_attention_check.py --sweep, triton 3.6): bf16 decode at
     # batch 64 x 4096 reads ~4.2 TB/s with 64-token tiles; fp8 tiles want 128 tokens, and on an
     # H100 three stages: 64 x 4096 0.258 -> 0.250 ms, 256 x 1536 (the offline workload's decode)
-    # 0.387 -> 0.374 ms, where 256 tokens, 8 warps and four stages were no faster.
+    # 0.387 -> 0.374 ms, where 256 tokens, 8 warps and four stages were no faster; with
+    # `widen_v` 0.233 and 0.315 ms, 2 stages 4.8 and 3.8 % slower, 64-token tiles 4 % faster on
+    # the first and 8 % slower on the second.
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     if cache_dtype in FP8_KV_DTYPES:
