@@ -21,7 +21,8 @@ sequences of 1536 tokens 0.374 -> 0.315 ms (2.15 -> 2.56 TB/s; a bf16 cache 0.54
 a 4 x 4096 prefill unchanged at 2.39 ms (eager; bf16 cache 1.74-1.81; its 128 x 32 tiles spill
 a few registers either way; its V already converts where it loads); offline with FP8 weights
 (1000 prompts, 1000 tokens in and out) 8445 output tok/s with a bf16 cache, 10788 with the fp8
-one (bf16 weights and cache: 6281), where decode attention is 60 % of a 256-sequence step.
+one (bf16 weights and cache: 6281), where decode attention was 60 % of a 256-sequence step
+(before the three stages and `widen_v`; not re-run since).
 Only Triton APIs present in 3.6 are used (the H200 image); tests run them under TRITON_INTERPRET=1.
 """
 
