@@ -198,12 +198,12 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
     if mma_sync:
         cfg = ti8.I8Config(32, 16, cfg.split_k, 2, 3)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
-            "w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+            "w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i64", "sd_ptr": "*fp16", "mn_ptr": "*i64",
             "smin_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=tokens, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
     constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True,
-                      PDL=True)  # fmt: skip
+                      PDL=True, SCALE_WORDS=type_name == "Q5_K" or cfg.block_m > 16)  # fmt: skip
     ptx = compile_sm90(ti8._q4_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
     # `_scale_halves`, `_as_int8` (and Q5_K's `_fifth_bits`) take four codes by the first one's
     # scale: their operands must be in the dot's operand layout with 4, 8 or 16 consecutive K
@@ -219,6 +219,10 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
     n = 2 * cfg.block_m  # both x parts side by side
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.s32\.s8\.s8 \{{[^}}]*\}}, \{{%r", ptx)
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
+    # Q4_K in 32-token tiles: the sub-block scales and minima reach the operand layout without a
+    # byte-wide shared load each (`_sub_block_bytes`); 16-token tiles and Q5_K's fifth bits take them
+    if type_name == "Q4_K" and cfg.block_m > 16:
+        assert not re.search(r"ld\.shared(\.v\d)?\.[bus]8", ptx)
 
 
 CASES = {

@@ -31,7 +31,12 @@ copy bandwidth, issue-bound; Q5_K gate|up 75.8 (188.7 fused). The engine on a Q4
 decodes 16 sequences at 1.02-1.05x its bf16 speed (2540 against 2412 tok/s; 2529 against 2483).
 In 32-token tiles (`i8_config`): the four at 32 tokens 158.8 (fused 341.9, bf16 155.7; two
 16-token tiles would take ~237), at 64 tokens in two tiles 279.9 (fused 366.2, bf16 159.6);
-the engine at batch 32 went 3726 -> 4195 tok/s (bf16 4946). Before the scales went
+the engine at batch 32 went 3726 -> 4195 tok/s (bf16 4946). With the sub-block scales and
+minima loaded as one int64 a row (`_sub_block_bytes`; 222 -> 168 registers), another H100: the
+four at 32 tokens 158.6 -> 137.3 and Q5_K's gate|up 75.4 -> 66.9 at 16, but the four at 16
+118.6 -> 124.5 (gate|up 54.1 -> 61.4), so Q4_K's 16-token tiles keep the byte tile
+(`SCALE_WORDS`); the engine at batch 32 / 64 0.88x -> 0.92x / 0.63x -> 0.67x its bf16 (4578 /
+6385 tok/s; benchmarks/README.md, "GGUF's batched path on an H100"). Before the scales went
 to the asm as int32 registers and the minimum was spread by one multiplication (Triton packs
 four int8 copies with byte permutes): 129.6 a layer (the static count of benchmarks/int8_sass.py:
 8.6 instructions a weight byte, now 7.5; Q5_K 11.2, now 9.4). Earlier versions: the nibbles
@@ -162,6 +167,25 @@ if triton is not None:
         return tl.reshape(tl.broadcast_to(t[:, :, None], (BN, S, R)), (BN, S * R))
 
     @triton.jit
+    def _sub_block_bytes(ptr, at, row_ok):
+        """[BN, 8]: the eight bytes of the int64 at ptr + at (one load a row, `at` [BN]). Loaded as
+        [BN] (fewer values than threads), the load is issued in the layout its user needs, where a
+        [BN, 8] byte load went through shared memory into the operand layout (32 byte-wide shared
+        loads a step)."""
+        w = tl.load(ptr + at, mask=row_ok, other=0)
+        b0 = (w & 0xFF).to(tl.int32)
+        b1 = ((w >> 8) & 0xFF).to(tl.int32)
+        b2 = ((w >> 16) & 0xFF).to(tl.int32)
+        b3 = ((w >> 24) & 0xFF).to(tl.int32)
+        b4 = ((w >> 32) & 0xFF).to(tl.int32)
+        b5 = ((w >> 40) & 0xFF).to(tl.int32)
+        b6 = ((w >> 48) & 0xFF).to(tl.int32)
+        b7 = ((w >> 56) & 0xFF).to(tl.int32)
+        q0 = tl.join(tl.join(b0, b4), tl.join(b2, b6))
+        q1 = tl.join(tl.join(b1, b5), tl.join(b3, b7))
+        return tl.reshape(tl.join(q0, q1), (w.shape[0], 8))
+
+    @triton.jit
     def _row_scalar(ptr, rows, row_ok, per_row, at):
         return tl.load(ptr + rows.to(tl.int64) * per_row + at, mask=row_ok, other=0)
 
@@ -170,11 +194,17 @@ if triton is not None:
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om, iters_per_split,
         FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
         per program along grid axis 2 (module docstring). w_ptr: the low code plane as bytes; with
-        FIVE (Q5_K) hi_ptr: the fifth-bit plane as bytes (unread otherwise)."""
+        FIVE (Q5_K) hi_ptr: the fifth-bit plane as bytes (unread otherwise); sc_ptr, mn_ptr: the
+        6-bit scales and minima, eight bytes a row and super-block, read as one int64 with
+        SCALE_WORDS (`_sub_block_bytes`; where it measured faster on an H100: Q4_K in 32-token
+        tiles, a Q4_K_M layer's four 158.6 -> 137.3 us, and Q5_K, gate|up 75.4 -> 66.9 at 16
+        tokens) and as a [BN, 8] byte tile otherwise (Q4_K at 16 tokens, where the int64 reads
+        measured 118.6 -> 124.5: fewer registers let three programs share a multiprocessor,
+        and gate|up's 448 lost)."""
         pdl.release(PDL)
         pdl.wait(PDL)
         n_blocks = K // 256
@@ -186,12 +216,17 @@ if triton is not None:
         r64 = rows.to(tl.int64)[:, None]
         w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, 128)[None, :]
         hi_rows = hi_ptr + r64 * (K // 8) + tl.arange(0, 32)[None, :]  # byte j: low-plane word j's bits
-        s_rows = r64 * (K // 32) + tl.arange(0, 8)[None, :]
+        s_words = rows.to(tl.int64) * n_blocks  # sc / mn: one int64 a row and super-block
+        s_bytes = r64 * (K // 32) + tl.arange(0, 8)[None, :]
         part_w = tl.where(first, 1.0, 1.0 / 254.0)  # 254 * (codes . q1) + codes . q2, over 254
         acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
         for it in range(it0, it1):
-            sc = tl.load(sc_ptr + s_rows + it * 8, mask=row_ok[:, None], other=0)
-            mn = tl.load(mn_ptr + s_rows + it * 8, mask=row_ok[:, None], other=0)
+            if SCALE_WORDS:
+                sc = _sub_block_bytes(sc_ptr, s_words + it, row_ok)
+                mn = _sub_block_bytes(mn_ptr, s_words + it, row_ok)
+            else:
+                sc = tl.load(sc_ptr.to(tl.pointer_type(tl.uint8)) + s_bytes + it * 8, mask=row_ok[:, None], other=0)
+                mn = tl.load(mn_ptr.to(tl.pointer_type(tl.uint8)) + s_bytes + it * 8, mask=row_ok[:, None], other=0)
             wb = tl.load(w_rows + it * 128, mask=row_ok[:, None], other=0)
             x_lo = tl.load(x_cols + it * 256, mask=x_ok, other=0)  # x at the low nibbles' values
             x_hi = tl.load(x_cols + it * 256 + 128, mask=x_ok, other=0)
@@ -272,9 +307,12 @@ def matmul_into(
     cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     p = seg.planes
     lo = p["lo"].view(torch.uint8)
-    planes = (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"], p["sd"], p["mn"], p["smin"])
+    # sc / mn: a row's eight 6-bit values of a super-block as one int64 (`_sub_block_bytes`)
+    planes = (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"].view(torch.int64), p["sd"],
+              p["mn"].view(torch.int64), p["smin"])  # fmt: skip
     _q4_k_kernel[(*tiles, cut.count)](
         parts, dx, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per,
         FIVE=seg.type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda,
+        SCALE_WORDS=seg.type_name == "Q5_K" or cfg.block_m > 16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip
