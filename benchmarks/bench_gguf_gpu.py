@@ -20,6 +20,9 @@ after every section so a timeout keeps what finished):
              sections after it), beside the fused kernel and cuBLAS bf16 on the same shape
              (CUDA-graph replays cycling through copies larger than L2; times include x's
              quantizing launch); relative error against the float32 reference
+  batched    batched decode as the engine dispatches it (the int8 GEMM for Q4_K / Q5_K, the fused
+             kernel for the others) on every GEMV_SHAPES segment at --i8-ms tokens, beside cuBLAS
+             bf16: run on two checkouts on one machine to compare kernel versions
   sweep      block sizes / split-K / warps of the fused kernel per (type, shape) at M = 16,
              the best one installed in TUNED_CONFIGS (the engine sections use them)
   crossover  fused kernel vs dequantize + cuBLAS at M = 16..256 on the gate_up shape; sets
@@ -79,7 +82,8 @@ from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "gemv", "i8", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0", "bf16")
+SECTIONS = ("ceilings", "kernels", "gemv", "i8", "batched", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0",
+            "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 # llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512;
 # batch-16 decode from `llama-batched-bench -npl 1,16,64` (issue 18)
@@ -349,6 +353,32 @@ def _candidates(m: int) -> list[tg.KernelConfig]:
         return [tg.KernelConfig(bn, bk, s, w, 2, 1) for bn, bk, w in tiles for s in (1, 2, 4, 8)]
     tiles = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 64, 4)]
     return [tg.KernelConfig(bn, bk, s, w, 2, 16) for bn, bk, w in tiles for s in (1, 2, 4)]
+
+
+def section_batched(bench: Bench) -> dict[str, Any]:
+    """Batched decode as the engine dispatches it (`tg.matmul`: the int8 GEMM for Q4_K / Q5_K, the
+    fused kernel for the other types) on every `GEMV_SHAPES` segment at the --i8-ms token counts,
+    against cuBLAS bf16 on the dequantized weight; weights cycled from memory. Run on two
+    checkouts on one machine to compare kernel versions."""
+    out: dict[str, Any] = {}
+    for type_name, name, n, k in GEMV_SHAPES:
+        seg, raw = _segment(type_name, n, k)
+        w = dequantize(raw, type_name)
+        copies = _copies(seg)
+        w16 = w.to(torch.bfloat16)
+        w16s = [w16] + [w16.clone() for _ in range(math.ceil(3 * L2_BYTES / (w16.numel() * 2)) - 1)]
+        for m in (int(v) for v in bench.args.i8_ms.split(",")):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            err = _rel(tg.matmul(x, [seg], n), x.float() @ w.t())
+            t = graph_time([lambda s=c, v=x, n=n: tg.matmul(v, [s], n) for c in copies])
+            tb = graph_time([lambda ww=ww, v=x: torch.nn.functional.linear(v, ww) for ww in w16s])
+            out[f"{type_name} {name} {n}x{k} M{m}"] = {"us": t * 1e6, "cublas_bf16_us": tb * 1e6, "rel_err": err,
+                                                       "GBps": seg.n_bytes() / t / 1e9}  # fmt: skip
+            print(f"batched {type_name} {name} {n}x{k} M{m}: {t * 1e6:.1f} us ({seg.n_bytes() / t / 1e9:.0f} GB/s), "
+                  f"cuBLAS bf16 {tb * 1e6:.1f}; err {err:.1e}", flush=True)  # fmt: skip
+        del seg, raw, w, copies, w16, w16s
+        torch.cuda.empty_cache()
+    return out
 
 
 def section_sweep(bench: Bench) -> dict[str, Any]:
@@ -642,7 +672,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="engine sections: also profile a batch-1 decode step and a pp512 step")
     parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of each config sweep")
-    parser.add_argument("--i8-ms", default="8,16", help="i8 section: token counts")
+    parser.add_argument("--i8-ms", default="8,16", help="i8 and batched sections: token counts")
     args = parser.parse_args()
     bench = Bench(args)
     run_sections(bench, args.sections.split(","), globals())
