@@ -200,6 +200,16 @@ def _copies(seg: tg.Segment) -> list[tg.Segment]:
                     for _ in range(count - 1)]  # fmt: skip
 
 
+def _timed_segment(type_name: str, n: int, k: int) -> tuple[tg.Segment, torch.Tensor, list[tg.Segment], list[torch.Tensor]]:
+    """A random segment for timing: (segment, its float32 weights, copies of its planes and bf16
+    copies of its weights, each set larger than L2 so that cycling through it reads memory)."""
+    seg, raw = _segment(type_name, n, k)
+    w = dequantize(raw, type_name)
+    w16 = w.to(torch.bfloat16)
+    w16s = [w16] + [w16.clone() for _ in range(math.ceil(3 * L2_BYTES / (w16.numel() * 2)) - 1)]
+    return seg, w, _copies(seg), w16s
+
+
 def section_gemv(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     bw = bench.results.get("copy_bw")
@@ -253,7 +263,7 @@ def section_gemv(bench: Bench) -> dict[str, Any]:
                   f"{'i' if r['cfg']['int8_x'] else 'f'}{r['cfg']['block_n']}/{r['cfg']['num_warps']}"
                   f"/{r['cfg']['rows_per_program'] or ''}:{r.get('us', float('nan')):.1f}" for r in results),
               flush=True)  # fmt: skip
-        del seg, raw, ref_w, w16, w16s, copies
+        del seg, ref_w, w16s, copies
     torch.cuda.empty_cache()
     out["max_rel_err"] = max(v["max_rel_err"] for v in out.values() if isinstance(v, dict))
     return out
@@ -282,11 +292,7 @@ def section_i8(bench: Bench) -> dict[str, Any]:
     ms = [int(v) for v in bench.args.i8_ms.split(",")]
     per_case = bench.args.sweep_seconds / (len(I8_SHAPES) * len(ms))
     for type_name, name, n, k in I8_SHAPES:
-        seg, raw = _segment(type_name, n, k)
-        ref_w = dequantize(raw, type_name)
-        copies = _copies(seg)
-        w16 = ref_w.to(torch.bfloat16)
-        w16s = [w16] + [w16.clone() for _ in range(math.ceil(3 * L2_BYTES / (w16.numel() * 2)) - 1)]
+        seg, ref_w, copies, w16s = _timed_segment(type_name, n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             ref = x.float() @ ref_w.t()
@@ -325,7 +331,7 @@ def section_i8(bench: Bench) -> dict[str, Any]:
             print(f"i8 {type_name} {name} {n}x{k} M{m}: default {row['default_us'] or float('nan'):.1f} best "
                   f"{best['us']:.1f} us {best['cfg']} ({row['GBps']:.0f} GB/s), fused {row['fused_us']:.1f}, "
                   f"cuBLAS bf16 {row['cublas_bf16_us']:.1f}; err {row['max_rel_err']:.1e}", flush=True)  # fmt: skip
-        del seg, raw, ref_w, w16, w16s, copies
+        del seg, ref_w, w16s, copies
     torch.cuda.empty_cache()
     what = "Q4_K linears of a Q4_K_M layer"
     for m in ms:  # summed per path
@@ -362,11 +368,7 @@ def section_batched(bench: Bench) -> dict[str, Any]:
     checkouts on one machine to compare kernel versions."""
     out: dict[str, Any] = {}
     for type_name, name, n, k in GEMV_SHAPES:
-        seg, raw = _segment(type_name, n, k)
-        w = dequantize(raw, type_name)
-        copies = _copies(seg)
-        w16 = w.to(torch.bfloat16)
-        w16s = [w16] + [w16.clone() for _ in range(math.ceil(3 * L2_BYTES / (w16.numel() * 2)) - 1)]
+        seg, w, copies, w16s = _timed_segment(type_name, n, k)
         for m in (int(v) for v in bench.args.i8_ms.split(",")):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             err = _rel(tg.matmul(x, [seg], n), x.float() @ w.t())
@@ -376,7 +378,7 @@ def section_batched(bench: Bench) -> dict[str, Any]:
                                                        "GBps": seg.n_bytes() / t / 1e9}  # fmt: skip
             print(f"batched {type_name} {name} {n}x{k} M{m}: {t * 1e6:.1f} us ({seg.n_bytes() / t / 1e9:.0f} GB/s), "
                   f"cuBLAS bf16 {tb * 1e6:.1f}; err {err:.1e}", flush=True)  # fmt: skip
-        del seg, raw, w, copies, w16, w16s
+        del seg, w, copies, w16s
         torch.cuda.empty_cache()
     return out
 
