@@ -33,7 +33,10 @@ final sum: q|k|v 17.1 -> 14.0, o 14.4 -> 11.0, gate|up 32.6 -> 30.9, down 25.4 -
 6-bit head 141 us (2.7x bf16); H200 (before the 16-byte loads) a layer 83.3 -> 74.5 us (1.53x
 bf16's 114.4). Engine, H100: 311.4 tok/s at batch 1 against bf16's 160.5 (1.94x; 274.5 before).
 The narrow layers still run at 20-30 % of copy bandwidth: each is a chain of dependent latencies
-(the quantizing launch, x, one or two runs, the split-K sum) more than a stream of bytes.
+(the quantizing launch, x, one or two runs, the split-K sum) more than a stream of bytes. Moving
+the quantization into the GEMV's programs (each gathering and quantizing its own slice of x) was
+slower: 320.7 -> 314.8 tok/s at batch 1 and 1290 -> 825 at 16 on an H100 (benchmarks/README.md,
+"EXL2: x quantized inside the GEMV").
 """
 
 from __future__ import annotations
