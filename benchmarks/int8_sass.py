@@ -38,9 +38,9 @@ SHAPE = dict(M=16, N=4096, K=4096, stride_om=4096)
 # name -> (kernel, its arguments besides COMMON's and SHAPE's, integer arguments, constexprs,
 # weight bytes a row per step: the file's)
 KERNELS = {
-    "Q4_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+    "Q4_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i64", "sd_ptr": "*fp16", "mn_ptr": "*i64",
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=False), 144),
-    "Q5_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*u8", "sd_ptr": "*fp16", "mn_ptr": "*u8",
+    "Q5_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i64", "sd_ptr": "*fp16", "mn_ptr": "*i64",
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=True), 176),
     "W4g128": (triton_int_i8._gemm_kernel, {"sum_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"},
                dict(stride_w=2048, group_shift=7, iters_per_split=8), dict(BITS=4, HAS_Z=False), 66),
@@ -71,6 +71,8 @@ def count(name: str, rows: int, warps: int) -> dict[str, object]:
     ints = SHAPE | extra
     args = COMMON | planes | {arg: "i32" for arg in ints}
     constexprs = constexprs | dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True)
+    if kernel is ti8._q4_k_kernel:  # the scale reads the engine launches at 16 tokens
+        constexprs["SCALE_WORDS"] = ti8.scale_words(name, 16)
     stages = triton_int_i8.I8Config().num_stages  # both int8 kernels launch with it
     out = compile_sm90(kernel, args, constexprs, warps, ints, stages, sass=True)
     body = main_loop(out)

@@ -203,7 +203,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
     ints = dict(M=tokens, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
     args |= {name: "i32" for name in ints}
     constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True,
-                      PDL=True, SCALE_WORDS=type_name == "Q5_K" or cfg.block_m > 16)  # fmt: skip
+                      PDL=True, SCALE_WORDS=ti8.scale_words(type_name, cfg.block_m))  # fmt: skip
     ptx = compile_sm90(ti8._q4_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
     # `_scale_halves`, `_as_int8` (and Q5_K's `_fifth_bits`) take four codes by the first one's
     # scale: their operands must be in the dot's operand layout with 4, 8 or 16 consecutive K
@@ -221,7 +221,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
     # Q4_K in 32-token tiles: the sub-block scales and minima reach the operand layout without a
     # byte-wide shared load each (`_sub_block_bytes`); 16-token tiles and Q5_K's fifth bits take them
-    if type_name == "Q4_K" and cfg.block_m > 16:
+    if type_name == "Q4_K" and ti8.scale_words(type_name, cfg.block_m):
         assert not re.search(r"ld\.shared(\.v\d)?\.[bus]8", ptx)
 
 

@@ -281,6 +281,12 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     return I8Config(block_n, bm, split)
 
 
+def scale_words(type_name: str, block_m: int) -> bool:
+    """Whether `_q4_k_kernel` reads the sub-block scales and minima as one int64 a row
+    (`SCALE_WORDS`): where that measured faster on an H100, Q5_K and 32-token tiles."""
+    return type_name == "Q5_K" or block_m > 16
+
+
 def x_layout(max_tokens: int = 0) -> BlockLayout:
     """How the kernel reads x: `stream_order` blocks of XB (it reads the parts and dx; the
     minimum has a dot of its own, not x's sums); `max_tokens` as in triton_int_i8.x_layout."""
@@ -313,6 +319,6 @@ def matmul_into(
     _q4_k_kernel[(*tiles, cut.count)](
         parts, dx, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per,
         FIVE=seg.type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda,
-        SCALE_WORDS=seg.type_name == "Q5_K" or cfg.block_m > 16,
+        SCALE_WORDS=scale_words(seg.type_name, cfg.block_m),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
     )  # fmt: skip
