@@ -18,6 +18,12 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
              q|k|v shape, bf16 output (acceptance 1e-2) and float32 output (the accumulation's
              own error, beside _scaled_mm's); an odd shape (N 1000, K 1040: masked rows and a K
              tail) with bias and static scales
+  blocks     block-wise scales (128 x 128 weight blocks, activations per token and 128 values:
+             DeepSeek-V3 / Qwen3-FP8 / FP8_BLOCK): `triton_quantize_groups` bit for bit against
+             its torch reference, then per shape and M in --ms `fp8_block_linear` against the
+             dequantized float32 emulation (error) and timed beside bf16 and the per-channel
+             `fp8_linear` on the same shape (CUDA-graph replays, weights from memory); printed
+             last, a decoder layer's four linears summed
   kernels    per compiled `_small_m_kernel` variant: registers, spills, shared memory, and PTX
              instruction counts (16-byte loads, cp.async, fp8 conversions, wgmma or mma.sync)
   sweep      K x N in {4096x6144 (qkv), 4096x4096 (o), 4096x28672 (gate_up), 14336x4096 (down)},
@@ -436,6 +442,60 @@ def section_sweep(results: dict[str, Any], args: argparse.Namespace) -> dict[str
     return {"rows": rows, "layer": layer_sums(rows)}
 
 
+def section_blocks(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    block = 128
+    x = x_like(5, 4096 + 44, 1)
+    q, s = k8.triton_quantize_groups(x, block)
+    want_q, want_s = k8.reference_quantize_groups(x, block)
+    exact = bool(torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s))
+    rows = []
+    copy_bw = results.get("copy_bw", 4.3e12)
+    for name, (k, n) in SHAPES.items():
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        w = torch.randn(n, k, device=DEV, generator=gen) * 0.02
+        scales = F.pad(w, (0, -k % block, 0, -n % block)).view(-(-n // block), block, -(-k // block), block)
+        scales = scales.abs().amax(dim=(1, 3)) / 448.0
+        spread = scales.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+        wq = (w / spread).clamp(-448, 448).to(k8.FP8_DTYPE)
+        w32 = wq.float() * spread
+        w_bf16 = w32.to(torch.bfloat16)
+        pc, pcs = fp8_weight(n, k, 0)
+        copies = max(1, math.ceil(3 * L2_BYTES / wq.numel()))
+        blocks = [k8.BlockScales(scales, block, block)] + [k8.BlockScales(scales.clone(), block, block)
+                                                           for _ in range(copies - 1)]  # fmt: skip
+        fp8_ws = [(wq, pc, pcs)] + [(wq.clone(), pc.clone(), pcs.clone()) for _ in range(copies - 1)]
+        bf16_ws = [w_bf16] + [w_bf16.clone() for _ in range(max(1, math.ceil(3 * L2_BYTES / (2 * wq.numel()))) - 1)]
+        for m in args.ms:
+            xm = x_like(m, k, m)
+            ref = F.linear(k8.fake_quantize(xm.float(), group=block), w32)
+            got = k8.fp8_block_linear(xm, wq, blocks[0], torch.bfloat16)
+            us = {
+                "bf16": graph_time([lambda b=b, xm=xm: F.linear(xm, b) for b in bf16_ws]) * 1e6,
+                "fp8_channel": graph_time([lambda a=a, xm=xm: k8.fp8_linear(xm, a[1], a[2], None, torch.bfloat16)
+                                           for a in fp8_ws]) * 1e6,  # fmt: skip
+                "fp8_blocks": graph_time([lambda a=a, b=b, xm=xm: k8.fp8_block_linear(xm, a[0], b, torch.bfloat16)
+                                          for a, b in zip(fp8_ws, blocks, strict=True)]) * 1e6,  # fmt: skip
+            }
+            gbps = {c: ((2 if c == "bf16" else 1) * n * k + m * k * 2 + m * n * 2) / (t * 1e-6) / 1e9
+                    for c, t in us.items()}  # fmt: skip
+            row = {"shape": name, "K": k, "N": n, "M": m, "us": us, "rel_err": rel_err(got, ref),
+                   "frac_bw": {c: v * 1e9 / copy_bw for c, v in gbps.items()}}  # fmt: skip
+            rows.append(row)
+            print(f"{name:8s} M={m:<4d} bf16 {us['bf16']:7.1f}  fp8 per-channel {us['fp8_channel']:7.1f}  "
+                  f"fp8 blocks {us['fp8_blocks']:7.1f} us (x{us['bf16'] / us['fp8_blocks']:.2f} bf16, "
+                  f"{row['frac_bw']['fp8_blocks']:.2f} of copy BW)  err {row['rel_err']:.1e}", flush=True)  # fmt: skip
+        del blocks, fp8_ws, bf16_ws
+        torch.cuda.empty_cache()
+    layer = {}
+    for m in args.ms:
+        sums = {c: sum(r["us"][c] for r in rows if r["M"] == m) for c in ("bf16", "fp8_channel", "fp8_blocks")}
+        layer[f"M{m}"] = sums
+        print(f"layer M={m:<4d} bf16 {sums['bf16']:7.1f}  fp8 per-channel {sums['fp8_channel']:7.1f} "
+              f"(x{sums['bf16'] / sums['fp8_channel']:.2f})  fp8 blocks {sums['fp8_blocks']:7.1f} "
+              f"(x{sums['bf16'] / sums['fp8_blocks']:.2f})", flush=True)  # fmt: skip
+    return {"quantize_groups_bit_exact": exact, "rows": rows, "layer": layer}
+
+
 def print_row(r: dict[str, Any]) -> None:
     us, f = r["us"], r["frac_bw"]
     fp8 = us.get("fp8", us["scaled_mm"])
@@ -507,7 +567,7 @@ def section_kernels(results: dict[str, Any], args: argparse.Namespace) -> dict[s
 
 SECTIONS = {"env": section_env, "ceilings": section_ceilings, "quantize": section_quantize,
             "linear": section_linear, "small": section_small, "sweep": section_sweep,
-            "kernels": section_kernels}  # fmt: skip
+            "blocks": section_blocks, "kernels": section_kernels}  # fmt: skip
 
 
 def main() -> None:
@@ -536,7 +596,7 @@ def main() -> None:
         if name == "kernels" and "error" not in results[name]:
             for kname, rec in results[name].items():
                 print(kname, json.dumps(rec, default=str), flush=True)
-        elif name != "sweep":
+        elif name not in ("sweep", "blocks"):
             print(name, json.dumps(results[name], indent=1, default=str), flush=True)
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
         results["seconds"] = round(time.perf_counter() - start, 1)

@@ -32,6 +32,8 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
                  (8/6/4-bit) ones; 6-bit heads
   fp8            dummy bf16 weights quantized at load (`quantization="fp8"`: per-channel weight
                  scales, dynamic per-token activations; the same kernels as an FP8 checkpoint)
+  fp8_block      a block-wise FP8 checkpoint written by scripts/make_random_quant.py (the `fp8`
+                 format with 128 x 128 `weight_block_size`, as DeepSeek-V3 and Qwen3-FP8 ship)
   fp8_offline, bf16_offline   1000 prompts x 1000 tokens in, 1000 out (`LLM.generate`'s loop),
                  with where the time went (bench_gpu.offline_run: decode-only steps by batch,
                  steps with prefill, preemptions, the KV cache's fill; with --profile, the
@@ -83,10 +85,10 @@ from paphos import LLM  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("fixtures", "exl2_kernels", "ceilings", "bf16", "gptq", "gptq_actorder", "gptq_actorder_sym", "awq",
-            "ct_w4a16", "exl2", "exl2_mix", "fp8", "fp8_offline", "bf16_offline", "fp8_offline_kv8", "bf16_offline_kv8")
+            "ct_w4a16", "exl2", "exl2_mix", "fp8", "fp8_block", "fp8_offline", "bf16_offline", "fp8_offline_kv8", "bf16_offline_kv8")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 FORMATS = {"gptq": "gptq", "gptq_actorder": "gptq-actorder", "gptq_actorder_sym": "gptq-actorder-sym", "awq": "awq",
-           "ct_w4a16": "ct-w4a16", "exl2": "exl2", "exl2_mix": "exl2-mix"}
+           "ct_w4a16": "ct-w4a16", "fp8_block": "fp8-block", "exl2": "exl2", "exl2_mix": "exl2-mix"}
 
 
 class Bench:

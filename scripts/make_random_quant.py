@@ -3,7 +3,7 @@ benchmarks of the GPTQ / AWQ / compressed-tensors / FP8 / EXL2 paths (as make_ra
 for GGUF).
 
     python scripts/make_random_quant.py OUT_DIR \\
-        --format gptq|gptq-actorder|gptq-actorder-sym|awq|ct-w4a16|ct-fp8|exl2|exl2-mix \\
+        --format gptq|gptq-actorder|gptq-actorder-sym|awq|ct-w4a16|ct-fp8|fp8-block|exl2|exl2-mix \\
         [--config benchmarks/configs/llama-3-8b.json] [--group-size 128] [--seed 0]
 
 The layouts are the ones the real tools write (paphos/quant/gptq.py, awq.py, compressed_tensors.py
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-FORMATS = ("gptq", "gptq-actorder", "gptq-actorder-sym", "awq", "ct-w4a16", "ct-fp8", "exl2", "exl2-mix")
+FORMATS = ("gptq", "gptq-actorder", "gptq-actorder-sym", "awq", "ct-w4a16", "ct-fp8", "fp8-block", "exl2", "exl2-mix")
 GPTQ_ACT_ORDER = ("gptq-actorder", "gptq-actorder-sym")
 # EXL2 bit allocations: (bits, rows per group, share of the input rows), descending bits.
 EXL2_MIXES = {
@@ -96,6 +96,10 @@ def linear_tensors(fmt: str, name: str, n: int, k: int, group: int, perm: torch.
     if fmt == "ct-fp8":
         weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         return {f"{name}.weight": weight, f"{name}.weight_scale": _scales(gen, n, 1, dtype=torch.bfloat16) * 0.01}
+    if fmt == "fp8-block":  # DeepSeek-V3 / Qwen3-FP8: float32 scales per 128 x 128 block
+        weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return {f"{name}.weight": weight,
+                f"{name}.weight_scale_inv": _scales(gen, -(-n // 128), -(-k // 128), dtype=torch.float32) * 0.01}
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -138,6 +142,8 @@ def exl2_mix(fmt: str, layer: int) -> tuple[tuple[int, int, float], ...]:
 
 
 def quantization_config(fmt: str, group: int) -> dict:
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
     if fmt in ("exl2", "exl2-mix"):
         return {"quant_method": "exl2", "version": "0.3.2", "bits": 4.0 if fmt == "exl2" else 4.25, "head_bits": 6,
                 "calibration": {"rows": 0, "length": 0, "dataset": "random (scripts/make_random_quant.py)"}}  # fmt: skip

@@ -11,7 +11,12 @@ static activations, `input_scale` -> `load_weights` fills them shard by shard ->
 and F.linear (the activation rounding is kept, so the numbers stay the checkpoint's reference).
 
 Checkpoint layouts (quant-toolchain.md §3): weight F8_E4M3 [N, K]; weight_scale BF16/F32 per output
-channel ([N, 1] or [N]) or per tensor ([1] or 0-d); input_scale per tensor. Per-tensor scales are
+channel ([N, 1] or [N]) or per tensor ([1] or 0-d); input_scale per tensor. Block-wise: one scale
+per [rows, cols] block, [ceil(N / rows), ceil(K / cols)], named `weight_scale_inv` in the `fp8`
+format (`weight_block_size`) and `weight_scale` in compressed-tensors (`strategy: block`), with
+activations scaled per token and run of input values; the scales are held per row while loading
+(merged shards and ranks need not start on a block), then either one per block again for the
+block-scaled kernels (`fp8_block_linear`) or multiplied into the dequantized weight. Per-tensor scales are
 expanded to the rows of their shard at load, so a merged q|k|v or gate|up layer keeps each part's
 own scale; merged static input scales take the max over the parts (the weight scales being per
 row, that costs nothing but a slightly coarser activation grid for the smaller parts).
@@ -38,13 +43,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paphos.layers.parallel import row_amax
+from paphos.layers.parallel import Slice, row_amax
 from paphos.layers.weights import ShapeMismatchError, copy_checked
 from paphos.quant.errors import QuantConfigError
 from paphos.quant.kernels.fp8 import (
     FP8_DTYPE,
+    BlockScales,
     amax_scales,
+    block_kernel_unsupported,
     fake_quantize,
+    fp8_block_linear,
     fp8_linear,
     quantize_rows,
     reference_quantize,
@@ -55,11 +63,23 @@ from paphos.quant.modules import checkpoint_modules, matches
 
 logger = logging.getLogger(__name__)
 
-Activation = Literal["dynamic", "static", "none"]
+Activation = Literal["dynamic", "static", "group", "none"]
 FP8_GEMM = "FP8 GEMM (Triton for a few tokens, torch._scaled_mm for more)"
 DEQUANTIZED = "dequantized at load"
+DEQUANT_ROWS = 1024  # output rows dequantized at a time
 
 _logged: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Block-wise weight scales: one per `rows` x `cols` block of the weight (DeepSeek-V3 and
+    Qwen3-FP8's `weight_block_size`, compressed-tensors' `strategy: block`), stored as
+    `scale_name` [ceil(N / rows), ceil(K / cols)] (short blocks at the edges)."""
+
+    rows: int
+    cols: int
+    scale_name: str
 
 
 def _shard_rows(layer: nn.Module, shard_id: object, n: int) -> slice:
@@ -72,20 +92,30 @@ def _shard_rows(layer: nn.Module, shard_id: object, n: int) -> slice:
 
 
 class Fp8LinearMethod:
-    """A linear layer with an fp8 weight and per-output-channel fp32 scales.
+    """A linear layer with an fp8 weight and per-output-channel fp32 scales, or `blocks` of them.
 
     `activation`: "dynamic" (per-token scales computed each call), "static" (the checkpoint's
-    per-tensor `input_scale`) or "none" (weight-only checkpoints: activations stay in the model
-    dtype). `from_checkpoint=False` is `-q fp8`: the float weight is loaded as is and quantized
-    after loading (per-channel amax / 448). One instance per layer; `kernel` records the choice."""
+    per-tensor `input_scale`), "group" (dynamic per token and run of `act_group` input values)
+    or "none" (weight-only checkpoints: activations stay in the model dtype).
+    `from_checkpoint=False` is `-q fp8`: the float weight is loaded as is and quantized after
+    loading (per-channel amax / 448). One instance per layer; `kernel` records the choice."""
 
-    def __init__(self, activation: Activation = "dynamic", from_checkpoint: bool = True) -> None:
-        if activation not in ("dynamic", "static", "none"):
-            raise ValueError(f"activation must be dynamic, static or none, got {activation!r}")
+    def __init__(
+        self, activation: Activation = "dynamic", from_checkpoint: bool = True, blocks: Blocks | None = None,
+        act_group: int = 0,
+    ) -> None:  # fmt: skip
+        if activation not in ("dynamic", "static", "group", "none"):
+            raise ValueError(f"activation must be dynamic, static, group or none, got {activation!r}")
         if activation == "static" and not from_checkpoint:
             raise ValueError("static activation scales come from a checkpoint")
+        if (activation == "group") != (act_group > 0):
+            raise ValueError(f"group activations need a group size, got {activation!r} with {act_group}")
+        if blocks is not None and not from_checkpoint:
+            raise ValueError("block-wise scales come from a checkpoint")
         self.activation = activation
         self.from_checkpoint = from_checkpoint
+        self.blocks = blocks
+        self.act_group = act_group
         self.out_dtype = torch.float32
         self.kernel: str | None = None  # FP8_GEMM or DEQUANTIZED once loaded
         self.reason: str | None = None  # why not FP8_GEMM
@@ -133,6 +163,11 @@ class Fp8LinearMethod:
         weight.input_dim = 1  # type: ignore[attr-defined]
         weight.weight_loader = load_weight  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
+        if self.activation == "group" and (problem := _group_split_problem(layer.tp_cols(), self.act_group)):
+            raise QuantConfigError(problem)  # start-up checks this first (Fp8Config.tp_split_problem)
+        if self.blocks is not None:
+            self._create_block_scales(layer, output_size)
+            return
         scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
         scale.output_dim = 0  # type: ignore[attr-defined]
         scale.weight_loader = load_weight_scale  # type: ignore[attr-defined]
@@ -149,6 +184,28 @@ class Fp8LinearMethod:
             input_scale = nn.Parameter(torch.empty(shards, dtype=torch.float32), requires_grad=False)
             input_scale.weight_loader = load_input_scale  # type: ignore[attr-defined]
             layer.register_parameter("input_scale", input_scale)
+
+    def _create_block_scales(self, layer: nn.Module, output_size: int) -> None:
+        """The block scales, held per output row of this rank ([rows, K blocks of the whole
+        checkpoint tensor]): merged shards and a rank's rows then need not start on a block
+        boundary, and a row-parallel rank finds its columns' blocks from its first column."""
+        blocks = self.blocks
+        assert blocks is not None
+        k_blocks = -(-layer.tp_cols().full // blocks.cols)
+
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+            rows = layer.tp_rows(0 if shard_id is None else layer.shard_index(shard_id))
+            want = (-(-rows.full // blocks.rows), k_blocks)
+            if tuple(loaded.shape) != want:
+                raise ShapeMismatchError(want, tuple(loaded.shape))
+            per_row = loaded.float().repeat_interleave(blocks.rows, dim=0)[: rows.full]
+            if not rows.is_whole:
+                per_row = rows.narrow(per_row, 0)
+            copy_checked(param.data[_shard_rows(layer, shard_id, output_size)], per_row)
+
+        scale = nn.Parameter(torch.empty(output_size, k_blocks, dtype=torch.float32), requires_grad=False)
+        scale.weight_loader = load  # type: ignore[attr-defined]
+        layer.register_parameter(blocks.scale_name, scale)
 
     def _scale_whole_rows(self, layer: nn.Module, weight: nn.Parameter, output_size: int) -> None:
         """`-q fp8` on a row-parallel layer: the per-channel scales of the whole rows, computed
@@ -181,18 +238,58 @@ class Fp8LinearMethod:
         self.reason = scaled_mm_unsupported(layer.weight.device, self.out_dtype, n, k)
         if self.reason is None and self.activation == "none":
             self.reason = "weight-only FP8 checkpoint (no FP8 weight-only kernel yet)"
+        if self.reason is None and self.blocks is not None:
+            self.reason = self._block_kernel_problem(layer)
         if self.reason is None:
             self.kernel = FP8_GEMM
+            if self.blocks is not None:  # one scale per block again: the rows of a block are equal
+                first = layer.tp_cols().start // self.blocks.cols
+                scales = getattr(layer, self.blocks.scale_name).data[:: self.blocks.rows]
+                compact = scales[:, first : first + -(-k // self.blocks.cols)].contiguous()
+                setattr(layer, self.blocks.scale_name, nn.Parameter(compact, requires_grad=False))
             return
         self.kernel = DEQUANTIZED
         if self.reason not in _logged:
             _logged.add(self.reason)
             logger.warning("FP8 weights dequantized to %s at load: %s", self.out_dtype, self.reason)
-        w = layer.weight.data.to(torch.float32) * layer.weight_scale.data[:, None]
-        layer.weight = nn.Parameter(w.to(self.out_dtype), requires_grad=False)
-        del layer.weight_scale
+        fp8 = layer.weight.data
+        if self.blocks is not None:
+            scales = getattr(layer, self.blocks.scale_name).data
+            # the block of each of the rank's columns, counted from the checkpoint's first
+            column_block = (layer.tp_cols().start + torch.arange(k, device=fp8.device)) // self.blocks.cols
+            delattr(layer, self.blocks.scale_name)
+        else:
+            scales, column_block = layer.weight_scale.data[:, None], None
+            del layer.weight_scale
+        # In float32 as the tools' dequantizers compute it, rounded once; in row chunks, so that a
+        # float32 copy of a large layer never exists whole.
+        w = torch.empty(n, k, dtype=self.out_dtype, device=fp8.device)
+        for r in range(0, n, DEQUANT_ROWS):
+            rows = scales[r : r + DEQUANT_ROWS]
+            w[r : r + DEQUANT_ROWS] = fp8[r : r + DEQUANT_ROWS].float() * (rows if column_block is None else rows[:, column_block])
+        layer.weight = nn.Parameter(w, requires_grad=False)
+
+    def _block_kernel_problem(self, layer: nn.Module) -> str | None:
+        """Why the block-wise FP8 kernels cannot take this layer (None when they can): their
+        activation runs are the weight's column blocks, and every checkpoint shard and this
+        rank's rows and columns start on a block."""
+        blocks = self.blocks
+        assert blocks is not None
+        if self.activation != "group" or self.act_group != blocks.cols:
+            return (f"activations scaled {self.activation} (group {self.act_group}) with weight blocks "
+                    f"{blocks.rows}x{blocks.cols} (the kernel scales activations per block)")  # fmt: skip
+        if problem := block_kernel_unsupported(blocks.cols):
+            return problem
+        starts = [sum(layer.output_sizes[:i]) for i in range(len(layer.output_sizes))]
+        starts += [layer.tp_rows(i).start for i in range(len(layer.output_sizes))]
+        if any(start % blocks.rows for start in starts) or layer.tp_cols().start % blocks.cols:
+            return f"a shard or rank starting inside a {blocks.rows}x{blocks.cols} weight block"
+        return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kernel == FP8_GEMM and self.blocks is not None:
+            scales = BlockScales(getattr(layer, self.blocks.scale_name), self.blocks.rows, self.blocks.cols)
+            return fp8_block_linear(x, layer.weight, scales, self.out_dtype, bias)
         input_scale = layer.input_scale if self.activation == "static" else None
         if self.activation == "dynamic" and self.row_parallel:  # each token scaled by its whole row
             input_scale = amax_scales(row_amax(layer.tp, x))
@@ -201,7 +298,7 @@ class Fp8LinearMethod:
         if self.kernel is None:
             raise RuntimeError("FP8 weights used before loading")
         if self.activation != "none":
-            x = fake_quantize(x, input_scale)
+            x = fake_quantize(x, input_scale, self.act_group)
         return F.linear(x, layer.weight, bias)
 
 
@@ -212,6 +309,8 @@ class _Group:
 
     targets: tuple[str, ...]
     activation: Activation
+    blocks: Blocks | None = None
+    act_group: int = 0
 
 
 class Fp8Config:
@@ -237,21 +336,33 @@ class Fp8Config:
     def from_hf_quant_config(cls, qc: Mapping[str, Any]) -> Fp8Config:
         """vLLM / Aphrodite's `quant_method: "fp8"` (AutoFP8 and others): per-tensor (or per-channel)
         weight scales, `activation_scheme` "dynamic" (here per token) or "static" (`input_scale`),
-        `ignored_layers`. The output head is never quantized in this format."""
+        `ignored_layers`. With `weight_block_size` [rows, cols] (DeepSeek-V3, Qwen3-FP8): a scale
+        per block as `weight_scale_inv` (the factor the codes are multiplied by, despite its name)
+        and dynamic activations per token and run of `cols` values, DeepSeek's 1 x 128. The
+        output head is never quantized in this format."""
         if qc.get("quant_method") != "fp8":
             raise QuantConfigError(
                 f"quantization_config.quant_method: {qc.get('quant_method')!r} is not 'fp8'"
             )
-        if qc.get("weight_block_size") is not None:
-            raise QuantConfigError(
-                f"quantization_config.weight_block_size: {qc['weight_block_size']!r} (block-wise FP8 "
-                "scales, as DeepSeek checkpoints use) is not supported"
-            )
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise QuantConfigError(f"quantization_config.activation_scheme: {scheme!r} is not supported")
-        ignore = [*(qc.get("ignored_layers") or ()), "lm_head"]
-        return cls([_Group(("Linear",), scheme)], ignore, True, f"fp8 checkpoint, {scheme} activations")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise QuantConfigError(f"quantization_config.fmt: {qc['fmt']!r} is not supported (e4m3)")
+        ignore = [*(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()), "lm_head"]
+        if qc.get("weight_block_size") is None:
+            return cls([_Group(("Linear",), scheme)], ignore, True, f"fp8 checkpoint, {scheme} activations")
+        blocks = _blocks("quantization_config.weight_block_size", qc["weight_block_size"], "weight_scale_inv")
+        if scheme != "dynamic":
+            raise QuantConfigError(
+                "quantization_config.activation_scheme: 'static' with weight_block_size is not supported "
+                "(block-wise checkpoints scale activations dynamically)"
+            )
+        if qc.get("scale_fmt") not in (None, "float32", "fp32"):
+            raise QuantConfigError(f"quantization_config.scale_fmt: {qc['scale_fmt']!r} is not supported (float32)")
+        group = _Group(("Linear",), "group", blocks, blocks.cols)
+        return cls([group], ignore, True, f"fp8 checkpoint, {blocks.rows}x{blocks.cols} weight blocks, dynamic "
+                   f"activations per {blocks.cols} values")  # fmt: skip
 
     @classmethod
     def from_compressed_tensors(cls, qc: Mapping[str, Any], *, tied_embeddings: bool = False) -> Fp8Config:
@@ -295,9 +406,21 @@ class Fp8Config:
             raise QuantConfigError(
                 f"{prefix}: its checkpoint parts are quantized differently ({detail})"
             )
-        method = Fp8LinearMethod(groups[0].activation, self.from_checkpoint)  # type: ignore[union-attr]
+        group = groups[0]
+        assert group is not None
+        method = Fp8LinearMethod(group.activation, self.from_checkpoint, group.blocks, group.act_group)
         self.methods[prefix] = method
         return method
+
+    def tp_split_problem(self, prefix: str, rows: list[Slice], cols: Slice) -> str | None:
+        """Why a tensor-parallel rank cannot hold input columns `cols` of the layer at `prefix`,
+        or None: activations scaled per group of input values need whole groups on every rank
+        (weights scaled per row, tensor or block split anywhere)."""
+        for part in checkpoint_modules(prefix):
+            group = None if matches(part, self.ignore) else self._group(part)
+            if group is not None and (problem := _group_split_problem(cols, group.act_group)):
+                return f"{prefix}: {problem}"
+        return None
 
     def _group(self, name: str) -> _Group | None:
         for group in self.groups:
@@ -322,15 +445,19 @@ def _compressed_tensors_group(name: str, group: Mapping[str, Any]) -> _Group:
             f"{where}.weights: {weights!r} (activation-only quantization) is not supported"
         )
     _require(f"{where}.weights", weights, num_bits=8, type="float", symmetric=True, dynamic=False)
-    if weights.get("strategy") not in ("channel", "tensor"):
+    blocks = None
+    if weights.get("strategy") == "block":
+        blocks = _blocks(f"{where}.weights.block_structure", weights.get("block_structure"), "weight_scale")
+    elif weights.get("strategy") not in ("channel", "tensor"):
         raise QuantConfigError(
-            f"{where}.weights.strategy: {weights.get('strategy')!r} is not supported (channel or tensor)"
+            f"{where}.weights.strategy: {weights.get('strategy')!r} is not supported (channel, tensor or block)"
         )
     if group.get("output_activations") is not None:
         raise QuantConfigError(
             f"{where}.output_activations: {group['output_activations']!r} is not supported"
         )
     acts = group.get("input_activations")
+    act_group = 0
     if acts is None:
         activation: Activation = "none"
     else:
@@ -340,13 +467,32 @@ def _compressed_tensors_group(name: str, group: Mapping[str, Any]) -> _Group:
             activation = "dynamic"
         elif dynamic is False and strategy == "tensor":
             activation = "static"
+        elif dynamic is True and strategy == "group":
+            activation, act_group = "group", acts.get("group_size")
+            if not isinstance(act_group, int) or act_group <= 0:
+                raise QuantConfigError(f"{where}.input_activations.group_size: {act_group!r} is not a positive integer")
         else:
             raise QuantConfigError(
                 f"{where}.input_activations: strategy {strategy!r} with dynamic {dynamic!r} is not supported "
-                "(token + dynamic, or tensor + static)"
+                "(token + dynamic, group + dynamic, or tensor + static)"
             )
     targets = group.get("targets") or ()
-    return _Group(tuple([targets] if isinstance(targets, str) else targets), activation)
+    return _Group(tuple([targets] if isinstance(targets, str) else targets), activation, blocks, act_group)
+
+
+def _group_split_problem(cols: Slice, group: int) -> str | None:
+    """Why a rank holding input columns `cols` would cut activation groups of `group` values."""
+    if group and not cols.is_whole and (cols.start % group or (cols.length % group and cols.start + cols.length != cols.full)):
+        return (f"activations are scaled per group of {group} input values; a rank's {cols.length} inputs of "
+                f"{cols.full} are not whole groups")  # fmt: skip
+    return None
+
+
+def _blocks(where: str, size: Any, scale_name: str) -> Blocks:
+    """A [rows, cols] block size from the config (`where` names the field in errors)."""
+    if not (isinstance(size, list | tuple) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+        raise QuantConfigError(f"{where}: {size!r} is not a [rows, cols] pair of positive integers")
+    return Blocks(size[0], size[1], scale_name)
 
 
 def _require(where: str, args: Mapping[str, Any], **want: Any) -> None:

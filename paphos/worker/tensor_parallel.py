@@ -111,13 +111,14 @@ def check_tensor_parallel(config: EngineConfig, source: Any, quant_config: Any, 
         raise ConfigError(f"--gguf-numerics {config.model.gguf_numerics} is not supported with {flag} yet")
     if quant_config is not None:
         from paphos.quant.exl2 import EXL2Config
+        from paphos.quant.fp8 import Fp8Config
         from paphos.quant.gguf import GGUFQuantConfig
         from paphos.quant.int_linear import IntQuantConfig
 
         if isinstance(quant_config, GGUFQuantConfig):
             _check_gguf_columns(quant_config, n)
-        elif isinstance(quant_config, IntQuantConfig):
-            _check_int_split(quant_config, text, n)
+        elif isinstance(quant_config, IntQuantConfig | Fp8Config):
+            _check_layer_splits(quant_config, text, n)
         elif isinstance(quant_config, EXL2Config):
             _check_exl2_split(quant_config, source, n)
     if device.type == "cuda":
@@ -148,10 +149,11 @@ def _check_gguf_columns(quant_config: Any, n: int) -> None:
             )
 
 
-def _check_int_split(quant_config: Any, text: Any, n: int) -> None:
+def _check_layer_splits(quant_config: Any, text: Any, n: int) -> None:
     """An integer-code checkpoint (GPTQ, AWQ, compressed-tensors) is split along its packed words
-    and groups: every rank's slice of every quantized layer must be whole ones
-    (paphos/quant/int_linear.py `tp_split_problem`)."""
+    and groups, an FP8 one with activations scaled per group along those groups: every rank's
+    slice of every quantized layer must be whole ones (`tp_split_problem` of
+    paphos/quant/int_linear.py and fp8.py)."""
     head_dim, heads = hf.head_dim(text), text.num_attention_heads
     inter, vocab = text.intermediate_size, text.vocab_size
     groups = [TPGroup(rank, n) for rank in range(n)]

@@ -30,6 +30,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.layers.linear import LinearBase, QKVLinear
 from paphos.loader import iter_safetensors
+from paphos.models.errors import WeightLoadError
 from paphos.models.registry import resolve_model_class
 from paphos.quant.errors import QuantConfigError
 from paphos.quant.fp8 import DEQUANTIZED, Fp8Config, Fp8LinearMethod
@@ -57,6 +58,13 @@ def _fake_quantize(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.
     flat = x.reshape(-1, x.shape[-1])
     q, s = _plain_quantize(flat, scale)
     return (q.float() * s).reshape(x.shape)
+
+
+def _fake_quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Per token and run of `group` values along the last dim (the last run may be short)."""
+    flat = x.reshape(-1, x.shape[-1])
+    runs = [_fake_quantize(flat[:, a : a + group]) for a in range(0, flat.shape[1], group)]
+    return torch.cat(runs, dim=1).reshape(x.shape)
 
 
 def _bits(q: torch.Tensor) -> torch.Tensor:
@@ -246,6 +254,56 @@ def test_fp8_linear_picks_the_kernel_by_tokens(kernel, monkeypatch: pytest.Monke
     assert taken == ["gemv_linear", "small_m_linear", "small_m_linear"]
 
 
+# ---------------------------------------------------------------- block-wise scales
+
+
+@pytest.mark.parametrize(("k", "group"), [(64, 64), (100, 32), (300, 128), (4096, 128)])
+def test_triton_quantize_groups_is_bit_exact(kernel, k: int, group: int) -> None:  # noqa: ANN001
+    """Per token and run of `group` values (the last run short where K is not a multiple): the
+    kernel's codes and scales are the torch reference's, whose numbers are plain per-run torch."""
+    module, device = kernel
+    gen = torch.Generator().manual_seed(k + group)
+    x = (torch.randn(3, k + 5, generator=gen) * 3).to(torch.bfloat16)[:, 2 : 2 + k].to(device)
+    x[1, :group] = 0  # an all-zero run: scale eps, codes 0
+    q, s = module.triton_quantize_groups(x, group)
+    want_q, want_s = module.reference_quantize_groups(x, group)
+    assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)
+    plain = torch.cat([_fake_quantize(x[:, a : a + group].float()) for a in range(0, k, group)], dim=1)
+    torch.testing.assert_close((q.float() * s.repeat_interleave(group, 1)[:, :k]).cpu(), plain.cpu(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "rows", "cols"),
+    [
+        (1, 70, 300, 32, 64),  # the GEMV: short last row block and K block
+        (1, 64, 512, 128, 128),  # one row block, whole K blocks
+        (3, 70, 300, 32, 64),  # the small-M kernel
+        (20, 64, 512, 64, 128),  # K steps of 128 inside blocks of 128
+        (70, 40, 256, 16, 32),  # two token tiles, blocks of 32 (K steps of 32)
+    ],
+)  # fmt: skip
+def test_fp8_block_linear_matches_reference(kernel, m: int, n: int, k: int, rows: int, cols: int) -> None:  # noqa: ANN001
+    """Block-wise weight scales, activations per token and run of `cols` values: the GEMV at one
+    token, the small-M kernel (K split too) above, against the dequantized float32 emulation."""
+    module, device = kernel
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16).to(device)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    scales = torch.rand(-(-n // rows), -(-k // cols), generator=gen) * 1e-3 + 1e-4
+    spread = scales.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    wq = (w / spread).clamp(-448, 448).to(FP8)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
+    ref = torch.nn.functional.linear(module.fake_quantize(x.float().cpu(), group=cols), wq.float() * spread)
+    blocks = module.BlockScales(scales.to(device), rows, cols)
+    configs = [module.DEFAULT_SMALL_M] + ([module.SmallMConfig(32, 64, split_k=3)] if m > 1 else [])
+    for cfg in configs:
+        for b in (None, bias):
+            y = module.fp8_block_linear(x, wq.to(device), blocks, torch.float32, b, cfg)
+            want = ref + (0 if b is None else b.float().cpu())
+            assert y.shape == (m, n)
+            assert (y.cpu() - want).abs().max().item() <= SMALL_TOL[device] * want.abs().max().item()
+
+
 # ---------------------------------------------------------------- reference_fp8_linear by hand
 
 
@@ -342,11 +400,12 @@ def _input_amax(hf: HFLlama, ids: torch.Tensor) -> dict[str, float]:
 def _emulation(
     hf: HFLlama,
     weights: dict[str, torch.Tensor],
-    input_scales: dict[str, torch.Tensor | None],
+    input_scales: dict[str, torch.Tensor | int | None],
     ours_inputs: dict[str, torch.Tensor],
 ) -> HFLlama:
     """HF with those linears' weights replaced by `weights` (dequantized fp8) and their inputs
-    rounded through fp8 (per token, or with the static scale).
+    rounded through fp8 (per token, with the static scale, or per token and group of an int's
+    values).
 
     The rounding is applied to our model's input of the same layer (`ours_inputs`, checked to be
     within 1e-4 of HF's own): two float32 computations that differ by 1e-7 can put a value on
@@ -361,7 +420,8 @@ def _emulation(
             x = args[0]
             ours = ours_inputs[name].view(x.shape)
             torch.testing.assert_close(x, ours, rtol=0, atol=1e-4)
-            return (_fake_quantize(ours, input_scales[name]),)
+            scale = input_scales[name]
+            return (_fake_quantize_groups(ours, scale) if isinstance(scale, int) else _fake_quantize(ours, scale),)
 
         return fake_quantize_ours
 
@@ -396,7 +456,7 @@ def _compare(
     caches: list[torch.Tensor],
     hf: HFLlama,
     weights: dict[str, torch.Tensor],
-    input_scales: dict[str, torch.Tensor | None],
+    input_scales: dict[str, torch.Tensor | int | None],
 ) -> None:
     """Our logits (a prompt chunk, then decode steps) against HF's emulation of the same fp8 model."""
     inputs: dict[str, list[torch.Tensor]] = {}
@@ -480,6 +540,90 @@ def test_fp8_format_static_per_tensor_matches_emulation(tmp_path: Path) -> None:
     _compare(model, caches, hf, dequantized, input_scales)
 
 
+def _block_quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 codes, float32 amax / 448 per block [ceil(N / rows), ceil(K / cols)]), as
+    transformers' FineGrainedFP8 quantizer writes them (short blocks at the edges)."""
+    (n, k), (rows, cols) = w.shape, block
+    padded = torch.nn.functional.pad(w, (0, -k % cols, 0, -n % rows))
+    scale = padded.view(-(-n // rows), rows, -(-k // cols), cols).abs().amax(dim=(1, 3)) / 448.0
+    spread = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    return (w / spread).clamp(-448.0, 448.0).to(FP8), scale
+
+
+def test_fp8_format_block_scales_match_emulation(tmp_path: Path) -> None:
+    """The `fp8` format with `weight_block_size` (DeepSeek-V3, Qwen3-FP8): a float32 scale per
+    block as `weight_scale_inv`, activations per token and run of the block's columns. 24 x 48
+    blocks leave short blocks at every edge (q 64 rows, k / v 32, K = 64 and 128); the weights
+    equal transformers' own dequantizer's bit for bit, and the logits its emulation."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    cfg, hf = _hf_model()
+    block = [24, 48]
+    tensors = dict(hf.state_dict())
+    dequantized = {}
+    for name, m in _linears(hf).items():
+        q, scale = _block_quantize(m.weight.detach(), block)
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = q, scale
+        dequantized[name] = _dequantize_fp8_weight(q, scale, block, torch.float32)
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": block}
+    config = Fp8Config.from_hf_quant_config(qc)
+    model, caches = _load(_write(tmp_path / "block", cfg, tensors, qc), cfg, config)
+    assert config.summary()[0].startswith("FP8 (fp8 checkpoint, 24x48 weight blocks, dynamic activations per 48 "
+                                          "values): dequantized at load for 8 layers")  # fmt: skip
+    attn = model.model.layers[0].self_attn.qkv_proj
+    want = torch.cat([dequantized[f"model.layers.0.self_attn.{p}"] for p in ("q_proj", "k_proj", "v_proj")])
+    torch.testing.assert_close(attn.weight, want, rtol=0, atol=0)
+    assert not hasattr(attn, "weight_scale_inv")  # the scales go once applied
+    _compare(model, caches, hf, dequantized, dict.fromkeys(dequantized, block[1]))
+
+
+@pytest.mark.parametrize(("block", "kernel_taken"), [([32, 32], True), ([24, 32], False)])
+def test_block_scales_through_the_fp8_kernels(
+    kernel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: list[int], kernel_taken: bool  # noqa: ANN001
+) -> None:  # fmt: skip
+    """The GPU's path, run by the Triton interpreter (the FP8 GEMM made available on CPU): 32 x 32
+    blocks, on which every shard starts, keep the fp8 weight and one scale per block and run
+    `fp8_block_linear` (the GEMV at the decode steps, the small-M kernel for the prompt); 24-row
+    blocks, which k_proj's rows start inside of in the merged q|k|v, fall back to the
+    dequantized weight there and say why. Both match the emulation."""
+    import paphos.quant.fp8 as fp8_method
+
+    module, _ = kernel
+    monkeypatch.setattr(fp8_method, "scaled_mm_unsupported", lambda *args: None)
+    calls: list[int] = []
+    real = fp8_method.fp8_block_linear
+    monkeypatch.setattr(fp8_method, "fp8_block_linear", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    cfg, hf = _hf_model()
+    tensors = dict(hf.state_dict())
+    dequantized = {}
+    for name, m in _linears(hf).items():
+        q, scale = _block_quantize(m.weight.detach(), block)
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = q, scale
+        dequantized[name] = q.float() * scale.repeat_interleave(block[0], 0)[: q.shape[0]].repeat_interleave(block[1], 1)
+    qc = {"quant_method": "fp8", "weight_block_size": block}
+    config = Fp8Config.from_hf_quant_config(qc)
+    model, caches = _load(_write(tmp_path / "block", cfg, tensors, qc), cfg, config)
+    attn = model.model.layers[0].self_attn.qkv_proj
+    if kernel_taken:
+        assert attn.weight.dtype == FP8 and attn.weight_scale_inv.shape == (4, 2)  # (64 + 32 + 32) / 32 x 64 / 32
+        assert config.summary()[0].endswith("FP8 GEMM (Triton for a few tokens, torch._scaled_mm for more) for 8 layers")
+    else:
+        assert attn.weight.dtype == torch.float32 and config.methods["model.layers.0.self_attn.qkv_proj"].reason == (
+            "a shard or rank starting inside a 24x32 weight block")  # fmt: skip
+    _compare(model, caches, hf, dequantized, dict.fromkeys(dequantized, block[1]))
+    assert {1, 6} <= set(calls)  # o_proj and down_proj (one shard, starting at 0) take the kernel either way
+
+
+def test_block_scales_of_the_wrong_shape_name_the_tensor(tmp_path: Path) -> None:
+    cfg, hf = _hf_model()
+    tensors = dict(hf.state_dict())
+    for name, m in _linears(hf).items():
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = _block_quantize(m.weight.detach(), [32, 32])
+    qc = {"quant_method": "fp8", "weight_block_size": [64, 32]}  # the file's scales are for 32 x 32
+    with pytest.raises(WeightLoadError, match=r"weight_scale_inv' has shape \[2, \d\], expected \[1, \d\]"):
+        _load(_write(tmp_path / "block", cfg, tensors, qc), cfg, Fp8Config.from_hf_quant_config(qc))
+
+
 def test_runtime_fp8_matches_emulation(tmp_path: Path) -> None:
     """`-q fp8` on a float checkpoint: per-channel amax / 448 scales (float32), per-token activations;
     the head stays float."""
@@ -513,8 +657,18 @@ def _ct(**changes: object) -> dict:
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128]}),
-         r"weight_block_size: \[128, 128\]"),
+        (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "weight_block_size": [128]}),
+         r"weight_block_size: \[128\] is not a \[rows, cols\] pair"),
+        (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                 "activation_scheme": "static"}),
+         "activation_scheme: 'static' with weight_block_size"),
+        (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                 "scale_fmt": "ue8m0"}), "scale_fmt: 'ue8m0'"),
+        (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "fmt": "e5m2"}), "fmt: 'e5m2'"),
+        (lambda: Fp8Config.from_compressed_tensors(_ct(weights__strategy="block")),
+         r"group_0.weights.block_structure: None"),
+        (lambda: Fp8Config.from_compressed_tensors(_ct(input_activations__strategy="group")),
+         "group_0.input_activations.group_size: None"),
         (lambda: Fp8Config.from_hf_quant_config({"quant_method": "fp8", "activation_scheme": "per_token"}),
          "activation_scheme: 'per_token'"),
         (lambda: Fp8Config.from_compressed_tensors(CT_DYNAMIC | {"format": "pack-quantized"}),
@@ -575,23 +729,26 @@ def test_fp8_kernels_compile_for_sm90(triton_path: Path | None) -> None:
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.split() == ["split:ok", "whole:ok", "gemv:ok"], done.stdout
+    assert done.stdout.split() == ["split:ok", "whole:ok", "blocks:ok", "gemv:ok", "gemv_blocks:ok", "groups:ok"], (
+        done.stdout
+    )
 
 
 def compile_kernels() -> None:
-    """In a child process without the interpreter: compile `_small_m_kernel` and `_gemv_kernel`
-    for sm_90."""
+    """In a child process without the interpreter: compile `_small_m_kernel` (per-channel and
+    block-wise scales), `_gemv_kernel`, `_gemv_blocks_kernel` and `_quantize_groups_kernel` for
+    sm_90."""
     from paphos.quant.kernels import fp8 as k8
     from tests.device_triton import compile_sm90
 
     cfg = k8.DEFAULT_SMALL_M
-    for label, split in (("split", True), ("whole", False)):
+    for label, split, blocks in (("split", True, 0), ("whole", False, 0), ("blocks", True, 128)):
         args = {"q_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "w_ptr": "*fp8e4nv", "sw_ptr": "*fp32", "b_ptr": "*fp32",
                 "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}  # fmt: skip
         ints = dict(M=1, N=4096, K=4096, stride_qm=4096, stride_wn=4096, stride_om=4096, k_per_split=1024)
         args |= {name: "i32" for name in ints}
-        constexprs = dict(F8_MMA=True, HAS_BIAS=False, BN=cfg.block_n, BM=16, BK=cfg.block_k, EVEN_K=True,
-                          SPLIT=split, PDL=True)  # fmt: skip
+        constexprs = dict(F8_MMA=True, HAS_BIAS=False, BN=cfg.block_n, BM=16, BK=min(cfg.block_k, blocks or 1 << 30),
+                          EVEN_K=True, SPLIT=split, PDL=True, BR=blocks, BC=blocks)  # fmt: skip
         ptx = compile_sm90(k8._small_m_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
         assert "wgmma.mma_async" in ptx and "e4m3" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
         assert "STACK:0 " in ptx, ptx[-300:]
@@ -608,3 +765,13 @@ def compile_kernels() -> None:
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
     assert "STACK:0 " in ptx, ptx[-300:]
     print("gemv:ok", flush=True)
+    constexprs = dict(HAS_BIAS=False, NB=128, BR=128, BC=128, RPP=gemv.rows_per_program, PDL=True)
+    ptx = compile_sm90(k8._gemv_blocks_kernel, args, constexprs, gemv.num_warps, ints)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
+    assert "STACK:0 " in ptx, ptx[-300:]
+    print("gemv_blocks:ok", flush=True)
+    args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "n_groups": "i32", "stride_xm": "i32"}
+    constexprs = dict(G=128, GB=16, QMAX=k8.FP8_MAX, SMIN=k8.MIN_SCALE, PDL=True)
+    ptx = compile_sm90(k8._quantize_groups_kernel, args, constexprs, 4, dict(K=4096, n_groups=32, stride_xm=4096))
+    assert "STACK:0 " in ptx, ptx[-300:]
+    print("groups:ok", flush=True)

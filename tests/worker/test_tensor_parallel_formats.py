@@ -32,9 +32,8 @@ from paphos.layers.linear import LinearBase, MergedColumnLinear, QKVLinear, RowP
 from paphos.layers.parallel import Slice, TPGroup
 from paphos.loader import load_model_source
 from paphos.models import hf_config as hf
-from paphos.quant.fp8 import Fp8Config
 from paphos.quant.registry import select_quant_config
-from paphos.worker.tensor_parallel import _check_int_split
+from paphos.worker.tensor_parallel import _check_layer_splits
 from tests.lora.peft_fixtures import make_adapter, write_tiny_llama
 from tests.quant.test_checkpoint_parity import FIXTURES, LINEARS, checkpoint, dense_weight
 from tests.worker.test_tensor_parallel import ENGINE, _assert_same, _prompts, _workload
@@ -139,8 +138,6 @@ def _rank_slice(whole: LinearBase, part: LinearBase) -> torch.Tensor:
 def _split_problem(path: Path, kind: str, tp: TPGroup) -> str | None:
     """What the start-up check says of this rank's split of layer 0's `kind` (None: it splits)."""
     config, quant_config = _model(path)
-    if isinstance(quant_config, Fp8Config):
-        return None  # FP8 weights split anywhere: scales are per channel or per tensor
     with parallel.building(tp):
         layer = _layer_shape(config, kind)
     rows = [layer.tp_rows(i) for i in range(len(layer.output_sizes))]
@@ -178,7 +175,7 @@ def test_the_start_up_check_names_what_cannot_be_split() -> None:
     config, awq = _model(checkpoint("awq-gemm-4b-g64"))
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.down_proj: quantization_config group_size 64: "
                                           r"a rank's 160 input rows of 320 are not whole groups"):  # fmt: skip
-        _check_int_split(awq, config, 2)
+        _check_layer_splits(awq, config, 2)
     # AWQ packs 8 output columns per word: 4 ranks of the 2 KV heads of 32 rows are whole words,
     # 16 ranks of 8 query rows too; 32 ranks would cut them (and the heads) in 4.
     cols = Slice(0, 128, 128)
@@ -186,6 +183,14 @@ def test_the_start_up_check_names_what_cannot_be_split() -> None:
     problem = awq.tp_split_problem("model.layers.0.self_attn.qkv_proj", [Slice(4, 4, 128)] * 3, cols)
     assert problem == ("model.layers.0.self_attn.qkv_proj.qweight packs 8 output columns per int32; a rank's "
                        "columns [4, 8) of 128 are not whole words")  # fmt: skip
+    # FP8 weights split anywhere (scales per row, tensor or block), activations scaled per group
+    # of 64 inputs only along whole groups.
+    config, fp8_block = _model(checkpoint("ct-fp8-block"))
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.down_proj: activations are scaled per group of 64 "
+                                          r"input values; a rank's 160 inputs of 320 are not whole groups"):  # fmt: skip
+        _check_layer_splits(fp8_block, config, 2)
+    assert fp8_block.tp_split_problem("model.layers.0.mlp.down_proj", [Slice.whole(128)], Slice(64, 64, 320)) is None
+    assert fp8_block.tp_split_problem("model.layers.0.mlp.down_proj", [Slice.whole(128)], Slice(256, 64, 320)) is None
     gptq = _model(checkpoint("gptq-4b-g32-asym-actorder"))[1]
     problem = gptq.tp_split_problem("model.layers.0.mlp.down_proj", [Slice.whole(128)], Slice(0, 164, 320))
     assert problem is not None and "mlp.down_proj.qweight packs 8 input rows per int32" in problem
@@ -217,6 +222,19 @@ def test_dynamic_activation_scales_of_row_parallel_ranks_are_the_whole_rows(fixt
     for rank in range(2):
         layer = _layer(checkpoint(fixture), "mlp.down_proj", TPGroup(rank, 2))
         layer.tp = _WholeRowMax(rank, 2, whole=x)
+        cols = layer.tp_cols()
+        parts.append(layer.quant_method.apply(layer, x[:, cols.start : cols.start + cols.length]))
+    torch.testing.assert_close(parts[0] + parts[1], whole.quant_method.apply(whole, x), rtol=0, atol=1e-5)
+
+
+def test_row_parallel_ranks_of_group_scaled_activations_need_no_all_reduce() -> None:
+    """FP8 activations scaled per group of 64 inputs (ct-fp8-block): o_proj's ranks hold whole
+    groups, so each rounds its inputs as `-tp 1` does and their partial outputs sum to its output."""
+    whole = _layer(checkpoint("ct-fp8-block"), "self_attn.o_proj", parallel.SINGLE)
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(0))
+    parts = []
+    for rank in range(2):
+        layer = _layer(checkpoint("ct-fp8-block"), "self_attn.o_proj", TPGroup(rank, 2))
         cols = layer.tp_cols()
         parts.append(layer.quant_method.apply(layer, x[:, cols.start : cols.start + cols.length]))
     torch.testing.assert_close(parts[0] + parts[1], whole.quant_method.apply(whole, x), rtol=0, atol=1e-5)

@@ -13,6 +13,12 @@ Hopper, CUTLASS on Ada). `scaled_mm_unsupported` says, once per layer at load, w
 here; where they do not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the
 method dequantizes the weight at load and keeps the activation rounding with `fake_quantize`.
 
+Block-wise scales (`fp8_block_linear`: DeepSeek-V3 / Qwen3-FP8 / compressed-tensors FP8_BLOCK): x
+quantized per token and run of the block's columns (`quantize_per_group`), one token through
+`_gemv_blocks_kernel` (each block's exact products summed, the sums scaled by the row's block
+scale and the token's run scale), more through `_small_m_kernel` with BC > 0 (each K step's product
+scaled by its block's two scales as it is added), at every M.
+
 The activation math is the references' (llm-compressor / compressed-tensors `FP8_DYNAMIC` and
 static `FP8`, see quant-toolchain.md §3): s = amax|x| / 448 per row (clamped to float32 eps, as
 compressed-tensors does, which only matters for all-zero or near-zero rows), x_fp8 =
@@ -68,7 +74,7 @@ difference then (an engine run, beside the small-M kernel); timed alone it saves
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -124,10 +130,26 @@ def quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def fake_quantize(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x rounded through FP8 as the references do it (dequantized again), in x's dtype."""
+def reference_quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of dynamic scales per token and run of `group` values (compressed-tensors'
+    `group` activations, block-wise FP8's 1 x 128; a short last run is scaled by its own amax):
+    x [M, K] -> (x_fp8 [M, K], scale [M, ceil(K / group)] fp32)."""
+    m, k = x.shape
+    runs = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    scale = amax_scales(runs.abs().amax(dim=-1, keepdim=True))
+    q = (runs / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, -1)[:, :k], scale.view(m, -1)
+
+
+def fake_quantize(x: torch.Tensor, input_scale: torch.Tensor | None = None, group: int = 0) -> torch.Tensor:
+    """x rounded through FP8 as the references do it (dequantized again), in x's dtype: per token,
+    with the static scale, or with `group` per token and run of that many values."""
     flat = x.reshape(-1, x.shape[-1])
-    q, scale = reference_quantize(flat, input_scale)
+    if group:
+        q, scale = reference_quantize_groups(flat, group)
+        scale = scale.repeat_interleave(group, dim=1)[:, : flat.shape[1]]
+    else:
+        q, scale = reference_quantize(flat, input_scale)
     return (q.float() * scale).to(x.dtype).reshape(x.shape)
 
 
@@ -213,11 +235,32 @@ if triton is not None:
             tl.store(s_ptr + row, s)
 
     @triton.jit
+    def _quantize_groups_kernel(
+        x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm,
+        G: tl.constexpr, GB: tl.constexpr, QMAX: tl.constexpr, SMIN: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """GB runs of G values of one row of x per program (row: grid axis 0): each run's scale
+        (amax / 448) to s_ptr[row, run] and its fp8 codes to q_ptr[row, :], rounded as
+        `_quantize_rows_kernel` rounds (`reference_quantize_groups` bit for bit)."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        runs = tl.program_id(1) * GB + tl.arange(0, GB)
+        kk = runs[:, None] * G + tl.arange(0, G)[None, :]
+        ok = (kk < K) & (runs < n_groups)[:, None]
+        x = tl.load(x_ptr + row * stride_xm + kk, mask=ok, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), QMAX), SMIN)
+        q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -QMAX), QMAX))
+        tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + row * n_groups + runs, s, mask=runs < n_groups)
+
+    @triton.jit
     def _small_m_kernel(
         q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_qm, stride_wn, stride_om,
         k_per_split,
         F8_MMA: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+        BR: tl.constexpr = 0, BC: tl.constexpr = 0,
     ):  # fmt: skip
         """out^T [BN, BM] = W [BN, K] x_fp8^T [K, BM] on the tensor cores, then both scales and
         the bias: the weight is the large operand (swap-AB), so BN weight rows fill the MMA's
@@ -233,7 +276,10 @@ if triton is not None:
         MMA adds its products with fewer bits than fp32, so its partial sums move into the fp32
         accumulator every 32 products (max_num_imprecise_acc; Triton's default on sm_90 keeps all
         of K in it, as _scaled_mm's use_fast_accum does): measured 4.5e-5 of the largest output
-        at K = 4096. Otherwise fp32 operands (the interpreter)."""
+        at K = 4096. Otherwise fp32 operands (the interpreter).
+
+        BC > 0: block-wise scales, sw [ceil(N / BR), ceil(K / BC)] and sx [M, ceil(K / BC)] (BK
+        divides BC): each K step's product is scaled by its block's two scales as it is added."""
         pdl.release(PDL)
         pdl.wait(PDL)
         pid_n = tl.program_id(0)
@@ -257,11 +303,19 @@ if triton is not None:
                 k_ok = k0 + kk < K
                 w = tl.load(w_tile + k0, mask=k_ok[None, :], other=0.0)
                 x = tl.load(x_tile + k0, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-            if F8_MMA:
+            if BC > 0:
+                if F8_MMA:
+                    step = tl.dot(w, x, max_num_imprecise_acc=32)
+                else:
+                    step = tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+                n_kb = tl.cdiv(K, BC)
+                swb = tl.load(sw_ptr + (rows_in // BR) * n_kb + k0 // BC)
+                sxb = tl.load(sx_ptr + ms * n_kb + k0 // BC, mask=m_ok, other=0.0)
+                acc += step * swb[:, None] * sxb[None, :]
+            elif F8_MMA:
                 acc = tl.dot(w, x, acc, max_num_imprecise_acc=32)
             else:
                 acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-        sx = tl.load(sx_ptr + ms, mask=m_ok, other=0.0)
         out = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
         mask = (rows < N)[:, None] & m_ok[None, :]
         if SPLIT:
@@ -269,15 +323,22 @@ if triton is not None:
             last, acc = split_k.sum_slices(acc, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, at, mask,
                                            pid_k, tl.num_programs(2), M * N, F8_MMA)  # fmt: skip
             if last:
-                y = acc * tl.load(sw_ptr + rows_in)[:, None] * sx[None, :]
-                if HAS_BIAS:
-                    y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
+                y = _small_m_epilogue(acc, sx_ptr, sw_ptr, b_ptr, rows_in, ms, m_ok, HAS_BIAS, BC)
                 tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            y = acc * tl.load(sw_ptr + rows_in)[:, None] * sx[None, :]
-            if HAS_BIAS:
-                y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
+            y = _small_m_epilogue(acc, sx_ptr, sw_ptr, b_ptr, rows_in, ms, m_ok, HAS_BIAS, BC)
             tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _small_m_epilogue(acc, sx_ptr, sw_ptr, b_ptr, rows_in, ms, m_ok, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
+        """out^T tile: the per-row and per-token scales (block-wise ones were applied per step),
+        then the bias."""
+        y = acc
+        if BC == 0:
+            y = y * tl.load(sw_ptr + rows_in)[:, None] * tl.load(sx_ptr + ms, mask=m_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows_in).to(tl.float32)[:, None]
+        return y
 
     @triton.jit
     def _gemv_kernel(
@@ -303,6 +364,41 @@ if triton is not None:
                                  other=0.0)  # fmt: skip
             row_in = tl.minimum(row, N - 1)
             y = tl.sum(w.to(tl.float32) * x, axis=0) * tl.load(sw_ptr + row_in) * sx
+            if HAS_BIAS:
+                y += tl.load(b_ptr + row_in).to(tl.float32)
+            tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
+            if r + 1 < RPP:
+                w = w_next
+                row += 1
+
+
+    @triton.jit
+    def _gemv_blocks_kernel(
+        q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, N, K, stride_wn,
+        HAS_BIAS: tl.constexpr, NB: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, RPP: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        """`_gemv_kernel` with block-wise scales: K as NB blocks of BC codes ([NB, BC] tiles, NB a
+        power of two), each row's exact products summed per block, the block sums scaled by the
+        row's block scale sw[row // BR, block] and the token's sx[block], then summed."""
+        pdl.release(PDL)
+        kb = tl.arange(0, NB)
+        kk = kb[:, None] * BC + tl.arange(0, BC)[None, :]
+        k_ok = kk < K
+        n_kb = tl.cdiv(K, BC)
+        kb_ok = kb < n_kb
+        row = tl.program_id(0) * RPP
+        w = tl.load(w_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok, other=0.0)
+        pdl.wait(PDL)
+        x = tl.load(q_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        sx = tl.load(sx_ptr + kb, mask=kb_ok, other=0.0)
+        for r in tl.static_range(RPP):
+            if r + 1 < RPP:
+                w_next = tl.load(w_ptr + tl.minimum(row + 1, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok,
+                                 other=0.0)  # fmt: skip
+            row_in = tl.minimum(row, N - 1)
+            sw = tl.load(sw_ptr + (row_in // BR) * n_kb + kb, mask=kb_ok, other=0.0)
+            y = tl.sum(tl.sum(w.to(tl.float32) * x, axis=1) * sw * sx, axis=0)
             if HAS_BIAS:
                 y += tl.load(b_ptr + row_in).to(tl.float32)
             tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
@@ -407,21 +503,31 @@ def small_m_linear(
     BM tokens per program, BM = M rounded up to a power of two, 16 to 64; K split by
     `split_for`). CUDA, or CPU tensors under TRITON_INTERPRET=1."""
     q, scale = _quantize(x, input_scale)
+    return _small_m_launch(q, scale, weight, weight_scale, out_dtype, bias, cfg)
+
+
+def _small_m_launch(
+    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
+    bias: torch.Tensor | None, cfg: SmallMConfig, blocks: BlockScales | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`_small_m_kernel` on quantized x (per-token scales, or with `blocks` per-run ones)."""
     m, k = q.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
         return out
+    if blocks is not None:  # a K step never crosses a block
+        cfg = replace(cfg, block_k=min(cfg.block_k, blocks.cols))
     bm = min(64, max(16, triton.next_power_of_2(m)))
     tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))
-    cut = split_k.slices(triton.cdiv(k, cfg.block_k), split_for(m, n, k, cfg), tiles[0] * tiles[1], m, n, x.device)
+    cut = split_k.slices(triton.cdiv(k, cfg.block_k), split_for(m, n, k, cfg), tiles[0] * tiles[1], m, n, q.device)
     per_split = cut.per * cfg.block_k if cut.split else k  # in K values
     _small_m_kernel[(*tiles, cut.count)](
         q, scale, weight, weight_scale, weight_scale if bias is None else bias, out, cut.partials, cut.counters, m,
         n, k, q.stride(0), weight.stride(0), out.stride(0), per_split,
-        F8_MMA=x.is_cuda, HAS_BIAS=bias is not None, BN=cfg.block_n, BM=bm, BK=cfg.block_k,
+        F8_MMA=q.is_cuda, HAS_BIAS=bias is not None, BN=cfg.block_n, BM=bm, BK=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, SPLIT=cut.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.options(x),
+        BR=blocks.rows if blocks else 0, BC=blocks.cols if blocks else 0, **pdl.options(q),
     )  # fmt: skip
     return out
 
@@ -507,6 +613,81 @@ def fp8_linear(
     else:
         y = small_m_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """Block-wise weight scales as `fp8_block_linear` takes them: `scales` fp32 [ceil(N / rows),
+    ceil(K / cols)] (contiguous); activations are scaled per token and run of `cols` values."""
+
+    scales: torch.Tensor
+    rows: int
+    cols: int
+
+
+def block_kernel_unsupported(cols: int) -> str | None:
+    """Why `fp8_block_linear` cannot take blocks `cols` inputs wide (None when it can): its tiles
+    are powers of two of at least 32 codes (the fp8 MMA's K)."""
+    if cols < 32 or cols & (cols - 1):
+        return f"block-wise scales over {cols} inputs (the kernels take a power of two >= 32)"
+    return None
+
+
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_fp8 [M, K], scale [M, ceil(K / group)] fp32), dynamic per token and run of
+    `group` values: `triton_quantize_groups` on CUDA, else torch."""
+    if x.is_cuda and triton is not None:
+        return triton_quantize_groups(x, group)
+    return reference_quantize_groups(x, group)
+
+
+def triton_quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_quantize_groups_kernel` for x [M, K] (`group` a power of two; CPU tensors too under
+    TRITON_INTERPRET=1): `reference_quantize_groups` bit for bit."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n_groups = triton.cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
+    if m:
+        runs = max(1, min(triton.next_power_of_2(n_groups), 2048 // group))  # ~2048 values a program
+        _quantize_groups_kernel[(m, triton.cdiv(n_groups, runs))](
+            x, q, scale, k, n_groups, x.stride(0), G=group, GB=runs, QMAX=FP8_MAX, SMIN=MIN_SCALE,
+            num_warps=max(1, min(8, runs * group // 512)), **pdl.options(x),
+        )  # fmt: skip
+    return q, scale
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    blocks: BlockScales,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    cfg: SmallMConfig = DEFAULT_SMALL_M,
+) -> torch.Tensor:
+    """y = x W^T (+ bias) with W = weight [N, K] float8_e4m3fn times its block's scale and x
+    quantized per token and run of blocks.cols values (`quantize_per_group`). One token:
+    `_gemv_blocks_kernel`; more: `_small_m_kernel` with the block scales applied per K step, at
+    every M (`_scaled_mm` takes no block scales here). CUDA with fp8 tensor cores
+    (`scaled_mm_unsupported` and `block_kernel_unsupported` return None), or CPU tensors under
+    TRITON_INTERPRET=1; no host sync (CUDA-graph safe)."""
+    flat = x.reshape(-1, x.shape[-1])
+    q, sx = quantize_per_group(flat, blocks.cols)
+    m, k = q.shape
+    n = weight.shape[0]
+    if m == 1 and k <= GEMV_MAX_K:
+        y = torch.empty((1, n), dtype=out_dtype, device=x.device)
+        rpp = DEFAULT_GEMV.rows_per_program
+        _gemv_blocks_kernel[(triton.cdiv(n, rpp),)](
+            q, sx, weight, blocks.scales, blocks.scales if bias is None else bias, y, n, k, weight.stride(0),
+            HAS_BIAS=bias is not None, NB=triton.next_power_of_2(triton.cdiv(k, blocks.cols)), BR=blocks.rows,
+            BC=blocks.cols, RPP=rpp, num_warps=DEFAULT_GEMV.num_warps, **pdl.options(x),
+        )  # fmt: skip
+    else:
+        y = _small_m_launch(q, sx, weight, blocks.scales, out_dtype, bias, cfg, blocks)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def scaled_mm_unsupported(device: torch.device, out_dtype: torch.dtype, n: int, k: int) -> str | None:
