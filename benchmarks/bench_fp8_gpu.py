@@ -24,6 +24,9 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
              dequantized float32 emulation (error) and timed beside bf16 and the per-channel
              `fp8_linear` on the same shape (CUDA-graph replays, weights from memory); printed
              last, a decoder layer's four linears summed
+  blocks_sweep  the block-wise launches per shape (128 x 128 blocks): at one token the GEMV's rows
+             per program and warps, at 4 / 16 tokens and at 512 / 2048 (prefill) the small-M
+             kernel's tiles (`BLOCK_CANDIDATES`), each checked against the emulation first
   kernels    per compiled `_small_m_kernel` variant: registers, spills, shared memory, and PTX
              instruction counts (16-byte loads, cp.async, fp8 conversions, wgmma or mma.sync)
   sweep      K x N in {4096x6144 (qkv), 4096x4096 (o), 4096x28672 (gate_up), 14336x4096 (down)},
@@ -496,6 +499,78 @@ def section_blocks(results: dict[str, Any], args: argparse.Namespace) -> dict[st
     return {"quantize_groups_bit_exact": exact, "rows": rows, "layer": layer}
 
 
+BLOCK_CANDIDATES = {  # `fp8_block_linear`'s small-M launches tried (BK 128: a block's width)
+    "n64k128w4s4": k8.SmallMConfig(64, 128),
+    "n64k128w4s3": k8.SmallMConfig(64, 128, num_stages=3),
+    "n64k64w4s4": k8.SmallMConfig(64, 64),
+    "n128k128w8s3": k8.SmallMConfig(128, 128, num_warps=8, num_stages=3),
+    "n128k128w4s3": k8.SmallMConfig(128, 128, num_warps=4, num_stages=3),
+    "n64k128w4s4pps4": k8.SmallMConfig(64, 128, programs_per_sm=4),
+    "n128k128w8s3m128": k8.SmallMConfig(128, 128, num_warps=8, num_stages=3, block_m=128),
+    "n128k128w4s4m128": k8.SmallMConfig(128, 128, num_warps=4, num_stages=4, block_m=128),
+    "n256k128w8s3m64": k8.SmallMConfig(256, 128, num_warps=8, num_stages=3),
+}
+
+
+def section_blocks_sweep(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    block = 128
+    out: dict[str, Any] = {}
+    for name, (k, n) in SHAPES.items():
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        scales = torch.rand(-(-n // block), -(-k // block), device=DEV, generator=gen) * 1e-4 + 1e-5
+        wq = (torch.randn(n, k, device=DEV, generator=gen) * 100).clamp(-448, 448).to(k8.FP8_DTYPE)
+        spread = scales.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+        w32 = wq.float() * spread
+        copies = max(1, math.ceil(3 * L2_BYTES / wq.numel()))
+        ws = [(wq, k8.BlockScales(scales, block, block))] + [
+            (wq.clone(), k8.BlockScales(scales.clone(), block, block)) for _ in range(copies - 1)]  # fmt: skip
+        bf16 = [w32.to(torch.bfloat16)] + [w32.to(torch.bfloat16) for _ in range(max(1, copies // 2) - 1)]
+        for m in (1, 4, 16, 512, 2048):
+            xm = x_like(m, k, m)
+            ref = F.linear(k8.fake_quantize(xm.float(), group=block), w32)
+            row: dict[str, Any] = {"bf16": graph_time([lambda b=b, xm=xm: F.linear(xm, b) for b in bf16]) * 1e6}
+            if m == 1:
+                cands = {f"gemv:r{r}w{w}": (r, w) for r in (1, 2, 4) for w in (4, 8)}
+                for label, (r, w) in cands.items():
+                    def call(a, xm=xm, r=r, w=w):  # noqa: ANN001, ANN202
+                        return _gemv_blocks(xm, a[0], a[1], r, w)
+                    try:
+                        err = rel_err(call(ws[0]), ref)
+                        row[label] = (graph_time([lambda a=a, call=call: call(a) for a in ws]) * 1e6, err)
+                    except Exception as e:  # noqa: BLE001
+                        row[label] = f"error: {type(e).__name__}: {e}"[:200]
+            for label, cfg in BLOCK_CANDIDATES.items() if m > 1 else ():
+                try:
+                    err = rel_err(k8.fp8_block_linear(xm, wq, ws[0][1], torch.bfloat16, None, cfg), ref)
+                    calls = [lambda a=a, xm=xm, cfg=cfg: k8.fp8_block_linear(xm, a[0], a[1], torch.bfloat16, None, cfg)
+                             for a in ws]  # fmt: skip
+                    row[label] = (graph_time(calls) * 1e6, err)
+                except Exception as e:  # noqa: BLE001
+                    row[label] = f"error: {type(e).__name__}: {e}"[:200]
+            timed = {c: v[0] for c, v in row.items() if isinstance(v, tuple)}
+            best = min(timed, key=timed.__getitem__) if timed else None
+            out[f"{name} M={m}"] = row | {"best": best}
+            print(f"{name:8s} M={m:<5d} bf16 {row['bf16']:7.1f} us  best {best} {timed.get(best, float('nan')):7.1f}  "
+                  + " ".join(f"{c}={v[0]:.1f}" if isinstance(v, tuple) else f"{c}=ERR" for c, v in row.items()
+                             if c != "bf16"), flush=True)  # fmt: skip
+        del ws, bf16
+        torch.cuda.empty_cache()
+    return out
+
+
+def _gemv_blocks(x: torch.Tensor, w: torch.Tensor, blocks: Any, rpp: int, warps: int) -> torch.Tensor:
+    """`fp8_block_linear`'s one-token path with another launch."""
+    q, sx = k8.quantize_per_group(x, blocks.cols)
+    n, k = w.shape
+    y = torch.empty((1, n), dtype=torch.bfloat16, device=x.device)
+    k8._gemv_blocks_kernel[(-(-n // rpp),)](
+        q, sx, w, blocks.scales, blocks.scales, y, n, k, w.stride(0), HAS_BIAS=False,
+        NB=1 << (-(-k // blocks.cols) - 1).bit_length(), BR=blocks.rows, BC=blocks.cols, RPP=rpp, num_warps=warps,
+        **pdl.options(x),
+    )  # fmt: skip
+    return y
+
+
 def print_row(r: dict[str, Any]) -> None:
     us, f = r["us"], r["frac_bw"]
     fp8 = us.get("fp8", us["scaled_mm"])
@@ -567,7 +642,7 @@ def section_kernels(results: dict[str, Any], args: argparse.Namespace) -> dict[s
 
 SECTIONS = {"env": section_env, "ceilings": section_ceilings, "quantize": section_quantize,
             "linear": section_linear, "small": section_small, "sweep": section_sweep,
-            "blocks": section_blocks, "kernels": section_kernels}  # fmt: skip
+            "blocks": section_blocks, "blocks_sweep": section_blocks_sweep, "kernels": section_kernels}  # fmt: skip
 
 
 def main() -> None:
@@ -596,7 +671,7 @@ def main() -> None:
         if name == "kernels" and "error" not in results[name]:
             for kname, rec in results[name].items():
                 print(kname, json.dumps(rec, default=str), flush=True)
-        elif name not in ("sweep", "blocks"):
+        elif name not in ("sweep", "blocks", "blocks_sweep"):
             print(name, json.dumps(results[name], indent=1, default=str), flush=True)
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
         results["seconds"] = round(time.perf_counter() - start, 1)

@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 Activation = Literal["dynamic", "static", "group", "none"]
 FP8_GEMM = "FP8 GEMM (Triton for a few tokens, torch._scaled_mm for more)"
+FP8_BLOCK_GEMM = "block-scaled FP8 GEMM (Triton)"
 DEQUANTIZED = "dequantized at load"
 DEQUANT_ROWS = 1024  # output rows dequantized at a time
 
@@ -117,8 +118,8 @@ class Fp8LinearMethod:
         self.blocks = blocks
         self.act_group = act_group
         self.out_dtype = torch.float32
-        self.kernel: str | None = None  # FP8_GEMM or DEQUANTIZED once loaded
-        self.reason: str | None = None  # why not FP8_GEMM
+        self.kernel: str | None = None  # FP8_GEMM, FP8_BLOCK_GEMM or DEQUANTIZED once loaded
+        self.reason: str | None = None  # why not an FP8 GEMM
         self.row_parallel = False
 
     def create_weights(
@@ -241,7 +242,7 @@ class Fp8LinearMethod:
         if self.reason is None and self.blocks is not None:
             self.reason = self._block_kernel_problem(layer)
         if self.reason is None:
-            self.kernel = FP8_GEMM
+            self.kernel = FP8_GEMM if self.blocks is None else FP8_BLOCK_GEMM
             if self.blocks is not None:  # one scale per block again: the rows of a block are equal
                 first = layer.tp_cols().start // self.blocks.cols
                 scales = getattr(layer, self.blocks.scale_name).data[:: self.blocks.rows]
@@ -287,7 +288,7 @@ class Fp8LinearMethod:
         return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.kernel == FP8_GEMM and self.blocks is not None:
+        if self.kernel == FP8_BLOCK_GEMM:
             scales = BlockScales(getattr(layer, self.blocks.scale_name), self.blocks.rows, self.blocks.cols)
             return fp8_block_linear(x, layer.weight, scales, self.out_dtype, bias)
         input_scale = layer.input_scale if self.activation == "static" else None

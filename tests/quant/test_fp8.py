@@ -606,7 +606,7 @@ def test_block_scales_through_the_fp8_kernels(
     attn = model.model.layers[0].self_attn.qkv_proj
     if kernel_taken:
         assert attn.weight.dtype == FP8 and attn.weight_scale_inv.shape == (4, 2)  # (64 + 32 + 32) / 32 x 64 / 32
-        assert config.summary()[0].endswith("FP8 GEMM (Triton for a few tokens, torch._scaled_mm for more) for 8 layers")
+        assert config.summary()[0].endswith("block-scaled FP8 GEMM (Triton) for 8 layers")
     else:
         assert attn.weight.dtype == torch.float32 and config.methods["model.layers.0.self_attn.qkv_proj"].reason == (
             "a shard or rank starting inside a 24x32 weight block")  # fmt: skip
