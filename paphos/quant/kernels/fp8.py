@@ -357,22 +357,30 @@ if triton is not None:
         kk = tl.arange(0, KB)
         k_ok = kk < K
         row = tl.program_id(0) * RPP
-        w = tl.load(w_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok, other=0.0)
+        w = _gemv_row(w_ptr, row, N, stride_wn, kk, k_ok)
         pdl.wait(PDL)
         x = tl.load(q_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         sx = tl.load(sx_ptr)
         for r in tl.static_range(RPP):
             if r + 1 < RPP:
-                w_next = tl.load(w_ptr + tl.minimum(row + 1, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok,
-                                 other=0.0)  # fmt: skip
-            row_in = tl.minimum(row, N - 1)
-            y = tl.sum(w.to(tl.float32) * x, axis=0) * tl.load(sw_ptr + row_in) * sx
-            if HAS_BIAS:
-                y += tl.load(b_ptr + row_in).to(tl.float32)
-            tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
+                w_next = _gemv_row(w_ptr, row + 1, N, stride_wn, kk, k_ok)
+            y = tl.sum(w.to(tl.float32) * x, axis=0) * tl.load(sw_ptr + tl.minimum(row, N - 1)) * sx
+            _gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS)
             if r + 1 < RPP:
                 w = w_next
                 row += 1
+
+    @triton.jit
+    def _gemv_row(w_ptr, row, N, stride_wn, kk, k_ok):
+        """A weight row's codes at kk (a row past N reads row N - 1; its result is not stored)."""
+        return tl.load(w_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok, other=0.0)
+
+    @triton.jit
+    def _gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS: tl.constexpr):
+        """A GEMV row's result plus its bias into out[row] (rows past N not stored)."""
+        if HAS_BIAS:
+            y += tl.load(b_ptr + tl.minimum(row, N - 1)).to(tl.float32)
+        tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
 
 
     @triton.jit
@@ -391,20 +399,16 @@ if triton is not None:
         n_kb = tl.cdiv(K, BC)
         kb_ok = kb < n_kb
         row = tl.program_id(0) * RPP
-        w = tl.load(w_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok, other=0.0)
+        w = _gemv_row(w_ptr, row, N, stride_wn, kk, k_ok)
         pdl.wait(PDL)
         x = tl.load(q_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         sx = tl.load(sx_ptr + kb, mask=kb_ok, other=0.0)
         for r in tl.static_range(RPP):
             if r + 1 < RPP:
-                w_next = tl.load(w_ptr + tl.minimum(row + 1, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok,
-                                 other=0.0)  # fmt: skip
-            row_in = tl.minimum(row, N - 1)
-            sw = tl.load(sw_ptr + (row_in // BR) * n_kb + kb, mask=kb_ok, other=0.0)
+                w_next = _gemv_row(w_ptr, row + 1, N, stride_wn, kk, k_ok)
+            sw = tl.load(sw_ptr + (tl.minimum(row, N - 1) // BR) * n_kb + kb, mask=kb_ok, other=0.0)
             y = tl.sum(tl.sum(w.to(tl.float32) * x, axis=1) * sw * sx, axis=0)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + row_in).to(tl.float32)
-            tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
+            _gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS)
             if r + 1 < RPP:
                 w = w_next
                 row += 1
