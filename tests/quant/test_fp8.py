@@ -3,9 +3,10 @@ compiled where a GPU is present) bit for bit against plain torch; the small-M Tr
 fp8_linear runs at decode sizes against `reference_fp8_linear` (float32 output within 1e-5 of
 the largest output on CPU); `reference_fp8_linear` on hand-computed numbers; and tiny Llamas
 loaded through `Fp8Config` (compressed-tensors FP8_DYNAMIC, the `fp8` format with static
-activations, `-q fp8`) against HF `transformers` running the emulation the producing tools use:
-linear weights replaced by their dequantized fp8 values, linear inputs rounded through fp8
-(quant-toolchain.md §3). Logits agree within 1e-3 in float32.
+activations or with block-wise scales, `-q fp8`) against HF `transformers` running the emulation
+the producing tools use: linear weights replaced by their dequantized fp8 values, linear inputs
+rounded through fp8 (quant-toolchain.md §3). Logits agree within 1e-3 in float32. Block-wise
+scales also through the kernels the GPU runs (`fp8_block_linear`, interpreted on CPU).
 
 On CPU every FP8 layer is dequantized at load (there is no FP8 GEMM); the compiled kernels and
 `torch._scaled_mm` are checked against `reference_fp8_linear` on the H200 by
