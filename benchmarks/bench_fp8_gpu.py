@@ -20,7 +20,7 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
              tail) with bias and static scales
   blocks     block-wise scales (128 x 128 weight blocks, activations per token and 128 values:
              DeepSeek-V3 / Qwen3-FP8 / FP8_BLOCK): `triton_quantize_groups` bit for bit against
-             its torch reference, then per shape and M in --ms `fp8_block_linear` against the
+             its torch reference, then per shape and M in --ms `fp8_blocks.fp8_block_linear` against the
              dequantized float32 emulation (error) and timed beside bf16 and the per-channel
              `fp8_linear` on the same shape (CUDA-graph replays, weights from memory); printed
              last, a decoder layer's four linears summed
@@ -71,6 +71,7 @@ from paphos.layers import pdl  # noqa: E402
 from paphos.layers.linear import Linear, QKVLinear  # noqa: E402
 from paphos.quant.fp8 import FP8_GEMM, Fp8Config, Fp8LinearMethod  # noqa: E402
 from paphos.quant.kernels import fp8 as k8  # noqa: E402
+from paphos.quant.kernels import fp8_blocks as kb  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 MS = (1, 2, 4, 8, 16, 32, 64, 256)
@@ -448,7 +449,7 @@ def section_sweep(results: dict[str, Any], args: argparse.Namespace) -> dict[str
 def section_blocks(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     block = 128
     x = x_like(5, 4096 + 44, 1)
-    q, s = k8.triton_quantize_groups(x, block)
+    q, s = kb.triton_quantize_groups(x, block)
     want_q, want_s = k8.reference_quantize_groups(x, block)
     exact = bool(torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s))
     rows = []
@@ -464,19 +465,19 @@ def section_blocks(results: dict[str, Any], args: argparse.Namespace) -> dict[st
         w_bf16 = w32.to(torch.bfloat16)
         pc, pcs = fp8_weight(n, k, 0)
         copies = max(1, math.ceil(3 * L2_BYTES / wq.numel()))
-        blocks = [k8.BlockScales(scales, block, block)] + [k8.BlockScales(scales.clone(), block, block)
+        blocks = [kb.BlockScales(scales, block, block)] + [kb.BlockScales(scales.clone(), block, block)
                                                            for _ in range(copies - 1)]  # fmt: skip
         fp8_ws = [(wq, pc, pcs)] + [(wq.clone(), pc.clone(), pcs.clone()) for _ in range(copies - 1)]
         bf16_ws = [w_bf16] + [w_bf16.clone() for _ in range(max(1, math.ceil(3 * L2_BYTES / (2 * wq.numel()))) - 1)]
         for m in args.ms:
             xm = x_like(m, k, m)
             ref = F.linear(k8.fake_quantize(xm.float(), group=block), w32)
-            got = k8.fp8_block_linear(xm, wq, blocks[0], torch.bfloat16)
+            got = kb.fp8_block_linear(xm, wq, blocks[0], torch.bfloat16)
             us = {
                 "bf16": graph_time([lambda b=b, xm=xm: F.linear(xm, b) for b in bf16_ws]) * 1e6,
                 "fp8_channel": graph_time([lambda a=a, xm=xm: k8.fp8_linear(xm, a[1], a[2], None, torch.bfloat16)
                                            for a in fp8_ws]) * 1e6,  # fmt: skip
-                "fp8_blocks": graph_time([lambda a=a, b=b, xm=xm: k8.fp8_block_linear(xm, a[0], b, torch.bfloat16)
+                "fp8_blocks": graph_time([lambda a=a, b=b, xm=xm: kb.fp8_block_linear(xm, a[0], b, torch.bfloat16)
                                           for a, b in zip(fp8_ws, blocks, strict=True)]) * 1e6,  # fmt: skip
             }
             gbps = {c: ((2 if c == "bf16" else 1) * n * k + m * k * 2 + m * n * 2) / (t * 1e-6) / 1e9
@@ -522,8 +523,8 @@ def section_blocks_sweep(results: dict[str, Any], args: argparse.Namespace) -> d
         spread = scales.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
         w32 = wq.float() * spread
         copies = max(1, math.ceil(3 * L2_BYTES / wq.numel()))
-        ws = [(wq, k8.BlockScales(scales, block, block))] + [
-            (wq.clone(), k8.BlockScales(scales.clone(), block, block)) for _ in range(copies - 1)]  # fmt: skip
+        ws = [(wq, kb.BlockScales(scales, block, block))] + [
+            (wq.clone(), kb.BlockScales(scales.clone(), block, block)) for _ in range(copies - 1)]  # fmt: skip
         bf16 = [w32.to(torch.bfloat16)] + [w32.to(torch.bfloat16) for _ in range(max(1, copies // 2) - 1)]
         for m in (1, 4, 16, 512, 2048):
             xm = x_like(m, k, m)
@@ -541,8 +542,8 @@ def section_blocks_sweep(results: dict[str, Any], args: argparse.Namespace) -> d
                         row[label] = f"error: {type(e).__name__}: {e}"[:200]
             for label, cfg in BLOCK_CANDIDATES.items() if m > 1 else ():
                 try:
-                    err = rel_err(k8.fp8_block_linear(xm, wq, ws[0][1], torch.bfloat16, None, cfg), ref)
-                    calls = [lambda a=a, xm=xm, cfg=cfg: k8.fp8_block_linear(xm, a[0], a[1], torch.bfloat16, None, cfg)
+                    err = rel_err(kb.fp8_block_linear(xm, wq, ws[0][1], torch.bfloat16, None, cfg), ref)
+                    calls = [lambda a=a, xm=xm, cfg=cfg: kb.fp8_block_linear(xm, a[0], a[1], torch.bfloat16, None, cfg)
                              for a in ws]  # fmt: skip
                     row[label] = (graph_time(calls) * 1e6, err)
                 except Exception as e:  # noqa: BLE001
@@ -560,10 +561,10 @@ def section_blocks_sweep(results: dict[str, Any], args: argparse.Namespace) -> d
 
 def _gemv_blocks(x: torch.Tensor, w: torch.Tensor, blocks: Any, rpp: int, warps: int) -> torch.Tensor:
     """`fp8_block_linear`'s one-token path with another launch."""
-    q, sx = k8.quantize_per_group(x, blocks.cols)
+    q, sx = kb.quantize_per_group(x, blocks.cols)
     n, k = w.shape
     y = torch.empty((1, n), dtype=torch.bfloat16, device=x.device)
-    k8._gemv_blocks_kernel[(-(-n // rpp),)](
+    kb._gemv_blocks_kernel[(-(-n // rpp),)](
         q, sx, w, blocks.scales, blocks.scales, y, n, k, w.stride(0), HAS_BIAS=False,
         NB=1 << (-(-k // blocks.cols) - 1).bit_length(), BR=blocks.rows, BC=blocks.cols, RPP=rpp, num_warps=warps,
         **pdl.options(x),

@@ -48,17 +48,15 @@ from paphos.layers.weights import ShapeMismatchError, copy_checked
 from paphos.quant.errors import QuantConfigError
 from paphos.quant.kernels.fp8 import (
     FP8_DTYPE,
-    BlockScales,
     amax_scales,
-    block_kernel_unsupported,
     fake_quantize,
-    fp8_block_linear,
     fp8_linear,
     quantize_rows,
     reference_quantize,
     row_scales,
     scaled_mm_unsupported,
 )
+from paphos.quant.kernels.fp8_blocks import BlockScales, block_kernel_unsupported, fp8_block_linear
 from paphos.quant.modules import checkpoint_modules, matches
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from paphos.models.errors import WeightLoadError
 from paphos.models.registry import resolve_model_class
 from paphos.quant.errors import QuantConfigError
 from paphos.quant.fp8 import DEQUANTIZED, Fp8Config, Fp8LinearMethod
-from paphos.quant.kernels import split_k
+from paphos.quant.kernels import fp8_blocks, split_k
 from paphos.quant.kernels.fp8 import quantize_per_tensor, quantize_per_token, reference_fp8_linear
 from tests.device_triton import TRITON_IDS, TRITONS, compile_env
 from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule
@@ -266,7 +266,7 @@ def test_triton_quantize_groups_is_bit_exact(kernel, k: int, group: int) -> None
     gen = torch.Generator().manual_seed(k + group)
     x = (torch.randn(3, k + 5, generator=gen) * 3).to(torch.bfloat16)[:, 2 : 2 + k].to(device)
     x[1, :group] = 0  # an all-zero run: scale eps, codes 0
-    q, s = module.triton_quantize_groups(x, group)
+    q, s = fp8_blocks.triton_quantize_groups(x, group)
     want_q, want_s = module.reference_quantize_groups(x, group)
     assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(s, want_s)
     plain = torch.cat([_fake_quantize(x[:, a : a + group].float()) for a in range(0, k, group)], dim=1)
@@ -295,11 +295,11 @@ def test_fp8_block_linear_matches_reference(kernel, m: int, n: int, k: int, rows
     wq = (w / spread).clamp(-448, 448).to(FP8)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
     ref = torch.nn.functional.linear(module.fake_quantize(x.float().cpu(), group=cols), wq.float() * spread)
-    blocks = module.BlockScales(scales.to(device), rows, cols)
+    blocks = fp8_blocks.BlockScales(scales.to(device), rows, cols)
     configs = [module.DEFAULT_SMALL_M] + ([module.SmallMConfig(32, 64, split_k=3)] if m > 1 else [])
     for cfg in configs:
         for b in (None, bias):
-            y = module.fp8_block_linear(x, wq.to(device), blocks, torch.float32, b, cfg)
+            y = fp8_blocks.fp8_block_linear(x, wq.to(device), blocks, torch.float32, b, cfg)
             want = ref + (0 if b is None else b.float().cpu())
             assert y.shape == (m, n)
             assert (y.cpu() - want).abs().max().item() <= SMALL_TOL[device] * want.abs().max().item()
@@ -767,12 +767,12 @@ def compile_kernels() -> None:
     assert "STACK:0 " in ptx, ptx[-300:]
     print("gemv:ok", flush=True)
     constexprs = dict(HAS_BIAS=False, NB=128, BR=128, BC=128, RPP=gemv.rows_per_program, PDL=True)
-    ptx = compile_sm90(k8._gemv_blocks_kernel, args, constexprs, gemv.num_warps, ints)
+    ptx = compile_sm90(fp8_blocks._gemv_blocks_kernel, args, constexprs, gemv.num_warps, ints)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
     assert "STACK:0 " in ptx, ptx[-300:]
     print("gemv_blocks:ok", flush=True)
     args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "n_groups": "i32", "stride_xm": "i32"}
     constexprs = dict(G=128, GB=16, QMAX=k8.FP8_MAX, SMIN=k8.MIN_SCALE, PDL=True)
-    ptx = compile_sm90(k8._quantize_groups_kernel, args, constexprs, 4, dict(K=4096, n_groups=32, stride_xm=4096))
+    ptx = compile_sm90(fp8_blocks._quantize_groups_kernel, args, constexprs, 4, dict(K=4096, n_groups=32, stride_xm=4096))
     assert "STACK:0 " in ptx, ptx[-300:]
     print("groups:ok", flush=True)

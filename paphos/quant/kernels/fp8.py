@@ -13,14 +13,8 @@ Hopper, CUTLASS on Ada). `scaled_mm_unsupported` says, once per layer at load, w
 here; where they do not (CPU, GPUs before compute capability 8.9, N or K not multiples of 16) the
 method dequantizes the weight at load and keeps the activation rounding with `fake_quantize`.
 
-Block-wise scales (`fp8_block_linear`: DeepSeek-V3 / Qwen3-FP8 / compressed-tensors FP8_BLOCK): x
-quantized per token and run of the block's columns (`quantize_per_group`), one token through
-`_gemv_blocks_kernel` (each block's exact products summed, the sums scaled by the row's block
-scale and the token's run scale), more through `_small_m_kernel` with BC > 0 (each K step's product
-scaled by its block's two scales as it is added), at every M. Measured on an H200
-(bench_fp8_gpu.py `blocks`, Llama-3-8B, 128 x 128 blocks): a layer's four linears 77.6 us at one
-token (bf16 116.4, per channel 64.0), 93.7 at 16 (118.1, 76.3), 675.8 at 512 (318.6, 229.6: the
-64 x 64 tiles are not prefill tiles).
+Block-wise weight scales are fp8_blocks.py's; they share `_small_m_kernel` (BC > 0), the GEMV's
+row load and store and the rounding with this module.
 
 The activation math is the references' (llm-compressor / compressed-tensors `FP8_DYNAMIC` and
 static `FP8`, see quant-toolchain.md §3): s = amax|x| / 448 per row (clamped to float32 eps, as
@@ -175,7 +169,7 @@ def reference_fp8_linear(
 if triton is not None:
 
     @triton.jit
-    def _to_e4m3(v):
+    def to_e4m3(v):
         """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32; the cast
         that follows is then exact. Rounding here rather than in the cast keeps the kernel exact
         under the Triton interpreter too, whose fp32 -> fp8 cast (triton 3.9) drops the carry when
@@ -219,7 +213,7 @@ if triton is not None:
                 else:
                     whole = x
                 s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(whole), axis=0), QMAX), SMIN)
-            q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
+            q = to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
             tl.store(q_row + so, q.to(q_ptr.dtype.element_ty), mask=so < K)
         else:
             if STATIC:
@@ -232,30 +226,10 @@ if triton is not None:
                 s = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), SMIN)
             for k0 in range(0, K, BLOCK):
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-                q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
+                q = to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
                 tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
         if part == 0:
             tl.store(s_ptr + row, s)
-
-    @triton.jit
-    def _quantize_groups_kernel(
-        x_ptr, q_ptr, s_ptr, K, n_groups, stride_xm,
-        G: tl.constexpr, GB: tl.constexpr, QMAX: tl.constexpr, SMIN: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        """GB runs of G values of one row of x per program (row: grid axis 0): each run's scale
-        (amax / 448) to s_ptr[row, run] and its fp8 codes to q_ptr[row, :], rounded as
-        `_quantize_rows_kernel` rounds (`reference_quantize_groups` bit for bit)."""
-        pdl.release(PDL)
-        pdl.wait(PDL)
-        row = tl.program_id(0).to(tl.int64)
-        runs = tl.program_id(1) * GB + tl.arange(0, GB)
-        kk = runs[:, None] * G + tl.arange(0, G)[None, :]
-        ok = (kk < K) & (runs < n_groups)[:, None]
-        x = tl.load(x_ptr + row * stride_xm + kk, mask=ok, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), QMAX), SMIN)
-        q = _to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -QMAX), QMAX))
-        tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + row * n_groups + runs, s, mask=runs < n_groups)
 
     @triton.jit
     def _small_m_kernel(
@@ -357,61 +331,30 @@ if triton is not None:
         kk = tl.arange(0, KB)
         k_ok = kk < K
         row = tl.program_id(0) * RPP
-        w = _gemv_row(w_ptr, row, N, stride_wn, kk, k_ok)
+        w = gemv_row(w_ptr, row, N, stride_wn, kk, k_ok)
         pdl.wait(PDL)
         x = tl.load(q_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         sx = tl.load(sx_ptr)
         for r in tl.static_range(RPP):
             if r + 1 < RPP:
-                w_next = _gemv_row(w_ptr, row + 1, N, stride_wn, kk, k_ok)
+                w_next = gemv_row(w_ptr, row + 1, N, stride_wn, kk, k_ok)
             y = tl.sum(w.to(tl.float32) * x, axis=0) * tl.load(sw_ptr + tl.minimum(row, N - 1)) * sx
-            _gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS)
+            gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS)
             if r + 1 < RPP:
                 w = w_next
                 row += 1
 
     @triton.jit
-    def _gemv_row(w_ptr, row, N, stride_wn, kk, k_ok):
+    def gemv_row(w_ptr, row, N, stride_wn, kk, k_ok):
         """A weight row's codes at kk (a row past N reads row N - 1; its result is not stored)."""
         return tl.load(w_ptr + tl.minimum(row, N - 1).to(tl.int64) * stride_wn + kk, mask=k_ok, other=0.0)
 
     @triton.jit
-    def _gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS: tl.constexpr):
+    def gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS: tl.constexpr):
         """A GEMV row's result plus its bias into out[row] (rows past N not stored)."""
         if HAS_BIAS:
             y += tl.load(b_ptr + tl.minimum(row, N - 1)).to(tl.float32)
         tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
-
-
-    @triton.jit
-    def _gemv_blocks_kernel(
-        q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, N, K, stride_wn,
-        HAS_BIAS: tl.constexpr, NB: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, RPP: tl.constexpr,
-        PDL: tl.constexpr,
-    ):  # fmt: skip
-        """`_gemv_kernel` with block-wise scales: K as NB blocks of BC codes ([NB, BC] tiles, NB a
-        power of two), each row's exact products summed per block, the block sums scaled by the
-        row's block scale sw[row // BR, block] and the token's sx[block], then summed."""
-        pdl.release(PDL)
-        kb = tl.arange(0, NB)
-        kk = kb[:, None] * BC + tl.arange(0, BC)[None, :]
-        k_ok = kk < K
-        n_kb = tl.cdiv(K, BC)
-        kb_ok = kb < n_kb
-        row = tl.program_id(0) * RPP
-        w = _gemv_row(w_ptr, row, N, stride_wn, kk, k_ok)
-        pdl.wait(PDL)
-        x = tl.load(q_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        sx = tl.load(sx_ptr + kb, mask=kb_ok, other=0.0)
-        for r in tl.static_range(RPP):
-            if r + 1 < RPP:
-                w_next = _gemv_row(w_ptr, row + 1, N, stride_wn, kk, k_ok)
-            sw = tl.load(sw_ptr + (tl.minimum(row, N - 1) // BR) * n_kb + kb, mask=kb_ok, other=0.0)
-            y = tl.sum(tl.sum(w.to(tl.float32) * x, axis=1) * sw * sx, axis=0)
-            _gemv_store(y, b_ptr, out_ptr, row, N, HAS_BIAS)
-            if r + 1 < RPP:
-                w = w_next
-                row += 1
 
 
 def triton_quantize(
@@ -511,21 +454,23 @@ def small_m_linear(
     BM tokens per program, BM = M rounded up to a power of two, 16 to 64; K split by
     `split_for`). CUDA, or CPU tensors under TRITON_INTERPRET=1."""
     q, scale = _quantize(x, input_scale)
-    return _small_m_launch(q, scale, weight, weight_scale, out_dtype, bias, cfg)
+    return launch_small_m(q, scale, weight, weight_scale, out_dtype, bias, cfg)
 
 
-def _small_m_launch(
+def launch_small_m(
     q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype,
-    bias: torch.Tensor | None, cfg: SmallMConfig, blocks: BlockScales | None = None,
+    bias: torch.Tensor | None, cfg: SmallMConfig, block: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`_small_m_kernel` on quantized x (per-token scales, or with `blocks` per-run ones)."""
+    """`_small_m_kernel` on quantized x: per-token scales [M, 1] and per-row weight scales [N], or
+    with `block` (rows, cols) per-run scales [M, ceil(K / cols)] and per-block weight scales
+    [ceil(N / rows), ceil(K / cols)] (fp8_blocks.py)."""
     m, k = q.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0:
         return out
-    if blocks is not None:  # a K step never crosses a block
-        cfg = replace(cfg, block_k=min(cfg.block_k, blocks.cols))
+    if block is not None:  # a K step never crosses a block
+        cfg = replace(cfg, block_k=min(cfg.block_k, block[1]))
     bm = min(cfg.block_m, max(16, triton.next_power_of_2(m)))
     tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm))
     cut = split_k.slices(triton.cdiv(k, cfg.block_k), split_for(m, n, k, cfg), tiles[0] * tiles[1], m, n, q.device)
@@ -535,7 +480,7 @@ def _small_m_launch(
         n, k, q.stride(0), weight.stride(0), out.stride(0), per_split,
         F8_MMA=q.is_cuda, HAS_BIAS=bias is not None, BN=cfg.block_n, BM=bm, BK=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, SPLIT=cut.split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        BR=blocks.rows if blocks else 0, BC=blocks.cols if blocks else 0, **pdl.options(q),
+        BR=block[0] if block else 0, BC=block[1] if block else 0, **pdl.options(q),
     )  # fmt: skip
     return out
 
@@ -621,81 +566,6 @@ def fp8_linear(
     else:
         y = small_m_linear(flat, weight, weight_scale, input_scale, out_dtype, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-@dataclass(frozen=True)
-class BlockScales:
-    """Block-wise weight scales as `fp8_block_linear` takes them: `scales` fp32 [ceil(N / rows),
-    ceil(K / cols)] (contiguous); activations are scaled per token and run of `cols` values."""
-
-    scales: torch.Tensor
-    rows: int
-    cols: int
-
-
-def block_kernel_unsupported(cols: int) -> str | None:
-    """Why `fp8_block_linear` cannot take blocks `cols` inputs wide (None when it can): its tiles
-    are powers of two of at least 32 codes (the fp8 MMA's K)."""
-    if cols < 32 or cols & (cols - 1):
-        return f"block-wise scales over {cols} inputs (the kernels take a power of two >= 32)"
-    return None
-
-
-def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x_fp8 [M, K], scale [M, ceil(K / group)] fp32), dynamic per token and run of
-    `group` values: `triton_quantize_groups` on CUDA, else torch."""
-    if x.is_cuda and triton is not None:
-        return triton_quantize_groups(x, group)
-    return reference_quantize_groups(x, group)
-
-
-def triton_quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_quantize_groups_kernel` for x [M, K] (`group` a power of two; CPU tensors too under
-    TRITON_INTERPRET=1): `reference_quantize_groups` bit for bit."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n_groups = triton.cdiv(k, group)
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, n_groups), dtype=torch.float32, device=x.device)
-    if m:
-        runs = max(1, min(triton.next_power_of_2(n_groups), 2048 // group))  # ~2048 values a program
-        _quantize_groups_kernel[(m, triton.cdiv(n_groups, runs))](
-            x, q, scale, k, n_groups, x.stride(0), G=group, GB=runs, QMAX=FP8_MAX, SMIN=MIN_SCALE,
-            num_warps=max(1, min(8, runs * group // 512)), **pdl.options(x),
-        )  # fmt: skip
-    return q, scale
-
-
-def fp8_block_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    blocks: BlockScales,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    cfg: SmallMConfig = DEFAULT_SMALL_M,
-) -> torch.Tensor:
-    """y = x W^T (+ bias) with W = weight [N, K] float8_e4m3fn times its block's scale and x
-    quantized per token and run of blocks.cols values (`quantize_per_group`). One token:
-    `_gemv_blocks_kernel`; more: `_small_m_kernel` with the block scales applied per K step, at
-    every M (`_scaled_mm` takes no block scales here). CUDA with fp8 tensor cores
-    (`scaled_mm_unsupported` and `block_kernel_unsupported` return None), or CPU tensors under
-    TRITON_INTERPRET=1; no host sync (CUDA-graph safe)."""
-    flat = x.reshape(-1, x.shape[-1])
-    q, sx = quantize_per_group(flat, blocks.cols)
-    m, k = q.shape
-    n = weight.shape[0]
-    if m == 1 and k <= GEMV_MAX_K:
-        y = torch.empty((1, n), dtype=out_dtype, device=x.device)
-        rpp = DEFAULT_GEMV.rows_per_program
-        _gemv_blocks_kernel[(triton.cdiv(n, rpp),)](
-            q, sx, weight, blocks.scales, blocks.scales if bias is None else bias, y, n, k, weight.stride(0),
-            HAS_BIAS=bias is not None, NB=triton.next_power_of_2(triton.cdiv(k, blocks.cols)), BR=blocks.rows,
-            BC=blocks.cols, RPP=rpp, num_warps=DEFAULT_GEMV.num_warps, **pdl.options(x),
-        )  # fmt: skip
-    else:
-        y = _small_m_launch(q, sx, weight, blocks.scales, out_dtype, bias, cfg, blocks)
-    return y.reshape(*x.shape[:-1], n)
 
 
 def scaled_mm_unsupported(device: torch.device, out_dtype: torch.dtype, n: int, k: int) -> str | None:
