@@ -531,13 +531,12 @@ def section_blocks_sweep(results: dict[str, Any], args: argparse.Namespace) -> d
             ref = F.linear(k8.fake_quantize(xm.float(), group=block), w32)
             row: dict[str, Any] = {"bf16": graph_time([lambda b=b, xm=xm: F.linear(xm, b) for b in bf16]) * 1e6}
             if m == 1:
-                cands = {f"gemv:r{r}w{w}": (r, w) for r in (1, 2, 4) for w in (4, 8)}
-                for label, (r, w) in cands.items():
-                    def call(a, xm=xm, r=r, w=w):  # noqa: ANN001, ANN202
-                        return _gemv_blocks(xm, a[0], a[1], r, w)
+                for label, gemv in GEMV_CANDIDATES.items():
                     try:
-                        err = rel_err(call(ws[0]), ref)
-                        row[label] = (graph_time([lambda a=a, call=call: call(a) for a in ws]) * 1e6, err)
+                        err = rel_err(kb.fp8_block_linear(xm, wq, ws[0][1], torch.bfloat16, gemv=gemv), ref)
+                        calls = [lambda a=a, xm=xm, gemv=gemv: kb.fp8_block_linear(xm, a[0], a[1], torch.bfloat16,
+                                                                                     gemv=gemv) for a in ws]  # fmt: skip
+                        row[label] = (graph_time(calls) * 1e6, err)
                     except Exception as e:  # noqa: BLE001
                         row[label] = f"error: {type(e).__name__}: {e}"[:200]
             for label, cfg in BLOCK_CANDIDATES.items() if m > 1 else ():
@@ -557,19 +556,6 @@ def section_blocks_sweep(results: dict[str, Any], args: argparse.Namespace) -> d
         del ws, bf16
         torch.cuda.empty_cache()
     return out
-
-
-def _gemv_blocks(x: torch.Tensor, w: torch.Tensor, blocks: Any, rpp: int, warps: int) -> torch.Tensor:
-    """`fp8_block_linear`'s one-token path with another launch."""
-    q, sx = kb.quantize_per_group(x, blocks.cols)
-    n, k = w.shape
-    y = torch.empty((1, n), dtype=torch.bfloat16, device=x.device)
-    kb._gemv_blocks_kernel[(-(-n // rpp),)](
-        q, sx, w, blocks.scales, blocks.scales, y, n, k, w.stride(0), HAS_BIAS=False,
-        NB=1 << (-(-k // blocks.cols) - 1).bit_length(), BR=blocks.rows, BC=blocks.cols, RPP=rpp, num_warps=warps,
-        **pdl.options(x),
-    )  # fmt: skip
-    return y
 
 
 def print_row(r: dict[str, Any]) -> None:

@@ -93,13 +93,13 @@ def linear_tensors(fmt: str, name: str, n: int, k: int, group: int, perm: torch.
             f"{name}.weight_scale": _scales(gen, n, groups, dtype=torch.bfloat16),
             f"{name}.weight_shape": torch.tensor([n, k], dtype=torch.int64),
         }
-    if fmt == "ct-fp8":
+    if fmt in ("ct-fp8", "fp8-block"):
         weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        return {f"{name}.weight": weight, f"{name}.weight_scale": _scales(gen, n, 1, dtype=torch.bfloat16) * 0.01}
-    if fmt == "fp8-block":  # DeepSeek-V3 / Qwen3-FP8: float32 scales per 128 x 128 block
-        weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-        return {f"{name}.weight": weight,
-                f"{name}.weight_scale_inv": _scales(gen, -(-n // 128), -(-k // 128), dtype=torch.float32) * 0.01}
+        if fmt == "ct-fp8":  # per channel, bf16
+            return {f"{name}.weight": weight, f"{name}.weight_scale": _scales(gen, n, 1, dtype=torch.bfloat16) * 0.01}
+        # DeepSeek-V3 / Qwen3-FP8: float32 scales per 128 x 128 block
+        scales = _scales(gen, -(-n // 128), -(-k // 128), dtype=torch.float32) * 0.01
+        return {f"{name}.weight": weight, f"{name}.weight_scale_inv": scales}
     raise ValueError(f"unknown format {fmt!r}")
 
 

@@ -709,6 +709,11 @@ def test_ignore_lists_and_merged_layers() -> None:
         {"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]}
     )
     assert fp8.get_linear_method("model.layers.0.mlp.down_proj") is None
+    # transformers' FineGrainedFP8Config names the list modules_to_not_convert
+    blocks = Fp8Config.from_hf_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128],
+                                             "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]})  # fmt: skip
+    assert blocks.get_linear_method("model.layers.0.mlp.down_proj") is None
+    assert blocks.get_linear_method("model.layers.1.mlp.down_proj").act_group == 128
     assert (
         fp8.get_linear_method("lm_head") is None and Fp8Config.runtime().get_linear_method("lm_head") is None
     )

@@ -138,10 +138,11 @@ def fp8_block_linear(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     cfg: fp8.SmallMConfig = fp8.DEFAULT_SMALL_M,
+    gemv: fp8.GemvConfig = fp8.DEFAULT_GEMV,
 ) -> torch.Tensor:
     """y = x W^T (+ bias) with W = weight [N, K] float8_e4m3fn times its block's scale and x
     quantized per token and run of blocks.cols values (`quantize_per_group`). One token:
-    `_gemv_blocks_kernel`; more: fp8.py's `_small_m_kernel` with the block scales applied per K step, at
+    `_gemv_blocks_kernel` (launched as `gemv` says); more (launched as `cfg` says): fp8.py's `_small_m_kernel` with the block scales applied per K step, at
     every M (`_scaled_mm` takes no block scales here). CUDA with fp8 tensor cores
     (`fp8.scaled_mm_unsupported` and `block_kernel_unsupported` return None), or CPU tensors under
     TRITON_INTERPRET=1; no host sync (CUDA-graph safe)."""
@@ -151,11 +152,10 @@ def fp8_block_linear(
     n = weight.shape[0]
     if m == 1 and k <= fp8.GEMV_MAX_K:
         y = torch.empty((1, n), dtype=out_dtype, device=x.device)
-        rpp = fp8.DEFAULT_GEMV.rows_per_program
-        _gemv_blocks_kernel[(triton.cdiv(n, rpp),)](
+        _gemv_blocks_kernel[(triton.cdiv(n, gemv.rows_per_program),)](
             q, sx, weight, blocks.scales, blocks.scales if bias is None else bias, y, n, k, weight.stride(0),
             HAS_BIAS=bias is not None, NB=triton.next_power_of_2(triton.cdiv(k, blocks.cols)), BR=blocks.rows,
-            BC=blocks.cols, RPP=rpp, num_warps=fp8.DEFAULT_GEMV.num_warps, **pdl.options(x),
+            BC=blocks.cols, RPP=gemv.rows_per_program, num_warps=gemv.num_warps, **pdl.options(x),
         )  # fmt: skip
     else:
         y = fp8.launch_small_m(q, sx, weight, blocks.scales, out_dtype, bias, cfg, (blocks.rows, blocks.cols))
