@@ -2,7 +2,7 @@
 "compressed-tensors"`.
 
 Data flow: registry.select -> `from_quant_config(qc)` -> by `format`:
-  - "pack-quantized" / "naive-quantized" (integer weights with 16-bit activations: W4A16, W8A16;
+  - "pack-quantized" / "naive-quantized" / "int-quantized" (integer weights with 16-bit activations: W4A16, W8A16;
     or with dynamic per-token int8 activations, W8A8, run as rounded activations times the weight) ->
     `CompressedTensorsIntConfig`: each targeted linear gets an `IntLinearMethod` with `PackedLayout`
     or `NaiveLayout` (the int kernel family, shared with GPTQ and AWQ);
@@ -17,7 +17,9 @@ Integer layouts, per linear (codes stored unsigned: q + 2**(bits-1); zero points
                    weight_zero_point  int32 [N * bits / 32, G]  asymmetric only, packed along N
                    weight_shape       int64 [2]                 [N, K] of the shard
                    weight_g_idx       int32 [K]                 act-order "group"/"weight" only
-  naive-quantized  weight             int8  [N, K]              codes as signed values
+  naive-quantized  weight             int8  [N, K]              codes as signed values (int-quantized,
+                                                                 what W8A8 INT8 checkpoints say, is the
+                                                                 same compressor under another name)
                    weight_scale, weight_zero_point (int8 [N, G], signed), as above
 w[n, k] = (q[n, k] - z[n, g]) * scale[n, g].
 
@@ -49,7 +51,8 @@ from paphos.quant.int_linear import (
 )
 from paphos.quant.modules import checkpoint_modules, matches
 
-INT_FORMATS = ("pack-quantized", "naive-quantized")
+INT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
+NAIVE_FORMATS = ("naive-quantized", "int-quantized")
 @dataclass(frozen=True)
 class IntScheme:
     bits: int
@@ -251,4 +254,4 @@ def from_quant_config(qc: dict[str, Any], tied_embeddings: bool) -> Any:
         for name, g in groups.items()
     ]
     ignore = [*(qc.get("ignore") or ()), *(["lm_head"] if tied_embeddings else [])]
-    return CompressedTensorsIntConfig(schemes, ignore, naive=fmt == "naive-quantized")
+    return CompressedTensorsIntConfig(schemes, ignore, naive=fmt in NAIVE_FORMATS)

@@ -16,6 +16,7 @@ holds the checkpoints as the tools saved them, tests/quant/data/references/ thei
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,25 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone(name: str) -> None:
             for a, b in zip(out.outputs[0].logprobs, single.logprobs, strict=True):
                 assert a.top_token_ids == b.top_token_ids
                 assert max(abs(x - y) for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True)) <= 1e-4
+
+
+def test_int_quantized_is_the_naive_layout_under_its_default_name(tmp_path: Path) -> None:
+    """llm-compressor writes W8A8 INT8 as format 'int-quantized' unless told otherwise (the fixture
+    forced 'naive-quantized'; both are one compressor): the same tensors under that name load and
+    give the tool's logits."""
+    ref, _ = reference("ct-naive-w8a8")
+    source = checkpoint("ct-naive-w8a8")
+    for file in source.iterdir():
+        if file.is_file():
+            shutil.copy(file, tmp_path / file.name)
+    config = json.loads((source / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["format"] = "int-quantized"
+    for group in qc["config_groups"].values():
+        group["format"] = "int-quantized"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    got = logits(build(tmp_path), ref["input_ids"], [16])
+    assert (got - ref["dequant_logits"]).abs().max().item() <= LOGIT_TOL
 
 
 def test_fixtures_record_their_tool() -> None:
