@@ -155,13 +155,15 @@ def add_rmsnorm(
     second result is None. Same arithmetic as `RMSNorm` in norm.py. With `int8_outputs`, the
     kernel also writes the int8 parts of the output that the next layer reads at T tokens
     (x_int8_outputs.prepare: attached to it), each row's over columns of NORM_CHUNK (`chunk`
-    overrides it) in programs of their own."""
-    x = x.contiguous()
+    overrides it) in programs of their own. x [T, heads, D] is normalised per head (every head a
+    row: Qwen3's q and k norms); its results have x's shape."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     if residual is not None:
-        residual = residual.contiguous()
+        residual = residual.reshape(-1, cols).contiguous()
     block = triton.next_power_of_2(cols)
     wanted = int8_outputs.at(rows, cols) if int8_outputs is not None else None
     if chunk is None:
@@ -175,7 +177,9 @@ def add_rmsnorm(
             out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, CHUNK=chunk, **parts.constexprs,
             **pdl.options(x),
         )  # fmt: skip
-    return out, res_out
+    if len(shape) == 2:
+        return out, res_out  # the very tensors the int8 parts are attached to (views carry none)
+    return out.view(shape), None if res_out is None else res_out.view(shape)
 
 
 def silu_and_mul(x: torch.Tensor, int8_outputs: Int8Outputs | None = None) -> torch.Tensor:

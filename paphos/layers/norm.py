@@ -38,7 +38,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s), s
-        being the residual stream the next block adds into."""
+        being the residual stream the next block adds into. x is [T, H], or [T, heads, head_dim]
+        for a norm over each head (Qwen3's q and k)."""
         if fused.available(x):
             out, summed = fused.add_rmsnorm(x, residual, self.weight, self.eps, self.int8_outputs)
             return out if summed is None else (out, summed)

@@ -16,8 +16,8 @@ Layout differences between llama.cpp and HF undone here:
 - llama.cpp's converter permutes the rows of Q and K (and their biases) of llama-architecture models
   so that each head's rotary pairs are interleaved (GPT-J style RoPE); HF models rotate halves
   (NeoX style). `unpermute_qk` is the exact inverse of that permutation (rows are whole blocks, so
-  it applies to raw blocks too). Qwen2 and Gemma 3 are converted without it (llama.cpp runs them
-  with NeoX RoPE), so their weights are taken as they are.
+  it applies to raw blocks too). Qwen2, Qwen3 and Gemma 3 are converted without it (llama.cpp runs
+  them with NeoX RoPE), so their weights are taken as they are.
 - Gemma's RMSNorm weights are stored as 1 + w (HF computes x * (1 + w)); 1 is subtracted.
 - A model with tied embeddings has no `output.weight`; then `tie_word_embeddings` is set and no
   `lm_head.weight` is yielded, as in an HF checkpoint of such a model.
@@ -65,13 +65,12 @@ _GEMMA3_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
 }
 
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("llama", "LlamaForCausalLM", permute_qk=True),
     "qwen2": _ArchSpec("qwen2", "Qwen2ForCausalLM", permute_qk=False),
+    "qwen3": _ArchSpec("qwen3", "Qwen3ForCausalLM", permute_qk=False),
     "gemma3": _ArchSpec(
         "gemma3_text",
         "Gemma3ForCausalLM",
@@ -98,6 +97,9 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    # per-head q/k norms (Qwen3, Gemma 3)
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -251,7 +253,7 @@ class GGUFCheckpoint:
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": self.metadata.get("tokenizer.ggml.padding_token_id"),
         }
-        if self._spec.model_type == "llama":
+        if self._spec.model_type in ("llama", "qwen3"):
             kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
         if self._spec.model_type == "gemma3_text":
             kwargs.update(self._gemma3_kwargs(kwargs))

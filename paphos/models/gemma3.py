@@ -24,11 +24,11 @@ from torch import nn
 
 from paphos.attention.backend import AttentionBackend
 from paphos.attention.metadata import AttentionMetadata
-from paphos.layers.linear import QKVLinear, QuantConfig, RowParallelLinear
+from paphos.layers.linear import QuantConfig
 from paphos.layers.norm import GemmaRMSNorm
 from paphos.layers.rotary import RotaryEmbedding
 from paphos.models import hf_config
-from paphos.models.llama import LlamaForCausalLM, LlamaMLP, _embedding, _method
+from paphos.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, _embedding
 
 SLIDING = "sliding_attention"
 
@@ -43,7 +43,10 @@ def layer_types(config: Any) -> list[str]:
     return [SLIDING if (i + 1) % pattern else "full_attention" for i in range(config.num_hidden_layers)]
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with (1 + w) norms on each head of q and k, biases (if any) on o_proj too,
+    and scores scaled by `query_pre_attn_scalar`^-0.5."""
+
     def __init__(
         self,
         config: Any,
@@ -54,42 +57,12 @@ class Gemma3Attention(nn.Module):
         quant_config: QuantConfig | None,
         prefix: str,
     ) -> None:
-        super().__init__()
-        self.head_dim = hf_config.head_dim(config)
-        self.scale = float(getattr(config, "query_pre_attn_scalar", self.head_dim)) ** -0.5
-        self.sliding_window = int(config.sliding_window) if layer_type == SLIDING else None
-        self.backend = backend
-        self.rotary_emb = rotary_emb
+        window = int(config.sliding_window) if layer_type == SLIDING else None
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, hf_config.num_kv_heads(config),
-            bias, dtype, _method(quant_config, f"{prefix}.qkv_proj"),
-        )  # fmt: skip
-        # This rank's heads (tensor parallelism, as in llama.py).
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias,
-            dtype,
-            _method(quant_config, f"{prefix}.o_proj"),
+        super().__init__(
+            config, window, dtype, backend, rotary_emb, bias, bias, quant_config, prefix, qk_norm=GemmaRMSNorm
         )
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(
-            q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window, rotary=self.rotary_emb,
-            positions=positions,
-        )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        self.scale = float(getattr(config, "query_pre_attn_scalar", self.head_dim)) ** -0.5
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM, and Qwen2 via `qwen2.py`).
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM; Qwen2 and Qwen3 via `qwen2.py`, `qwen3.py`).
 
 Data flow: model runner -> LlamaForCausalLM.forward(input_ids [T], positions [T], kv_caches,
 AttentionMetadata) over one flat batch of decode rows and prefill chunks -> hidden [T, H];
@@ -10,7 +10,7 @@ below are the rank's, read from `qkv_proj`) and o_proj / down_proj sum the ranks
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,11 +48,20 @@ def _embedding(config: Any, dtype: torch.dtype, quant_config: QuantConfig | None
     return VocabEmbedding(config.vocab_size, config.hidden_size, dtype, method)
 
 
+# A norm over each head of q and of k: a class built as `norm(head_dim, eps, dtype)`.
+HeadNorm = Callable[[int, float, torch.dtype], nn.Module]
+
+
 class LlamaAttention(nn.Module):
+    """q/k/v projection -> (optional per-head q and k norms) -> backend (RoPE, K/V store, paged
+    attention) -> o_proj. With `qk_norm` (Qwen3's RMSNorm, Gemma 3's (1 + w) one), each head of q
+    and of k is normalised over head_dim before RoPE; the weights have head_dim entries, so under
+    tensor parallelism every rank holds them whole."""
+
     def __init__(
         self,
         config: Any,
-        layer_idx: int,
+        sliding_window: int | None,
         dtype: torch.dtype,
         backend: AttentionBackend,
         rotary_emb: RotaryEmbedding,
@@ -60,11 +69,12 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         quant_config: QuantConfig | None,
         prefix: str,
+        qk_norm: HeadNorm | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = hf_config.head_dim(config)
         self.scale = self.head_dim**-0.5
-        self.sliding_window = hf_config.layer_sliding_window(config, layer_idx)
+        self.sliding_window = sliding_window
         self.backend = backend
         # One cos/sin table shared by all layers (registered in each; parameters/buffers dedupe).
         self.rotary_emb = rotary_emb
@@ -81,6 +91,11 @@ class LlamaAttention(nn.Module):
             dtype,
             _method(quant_config, f"{prefix}.o_proj"),
         )
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = qk_norm(self.head_dim, config.rms_norm_eps, dtype)
         # Set after loading (x_int8_outputs.feed): o_proj's int8 layouts, which the attention
         # backend's decode merge writes beside its output.
         self.int8_outputs: Int8Outputs | None = None
@@ -93,6 +108,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.forward(
             q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window, rotary=self.rotary_emb,
             positions=positions, int8_outputs=self.int8_outputs,
@@ -140,12 +157,13 @@ class LlamaDecoderLayer(nn.Module):
         biases: tuple[bool, bool, bool],
         quant_config: QuantConfig | None,
         prefix: str,
+        qk_norm: HeadNorm | None = None,
     ) -> None:
         super().__init__()
         qkv_bias, o_bias, mlp_bias = biases
         self.self_attn = LlamaAttention(
             config,
-            layer_idx,
+            hf_config.layer_sliding_window(config, layer_idx),
             dtype,
             backend,
             rotary_emb,
@@ -153,6 +171,7 @@ class LlamaDecoderLayer(nn.Module):
             o_bias,
             quant_config,
             f"{prefix}.self_attn",
+            qk_norm,
         )
         self.mlp = LlamaMLP(config, dtype, mlp_bias, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -193,6 +212,7 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         biases: tuple[bool, bool, bool],
         quant_config: QuantConfig | None,
+        qk_norm: HeadNorm | None = None,
     ) -> None:
         super().__init__()
         theta, scaling, partial = hf_config.rope_parameters(config)
@@ -202,7 +222,9 @@ class LlamaModel(nn.Module):
         )
         self.embed_tokens = _embedding(config, dtype, quant_config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, backend, rotary, biases, quant_config, f"model.layers.{i}")
+            LlamaDecoderLayer(
+                config, i, dtype, backend, rotary, biases, quant_config, f"model.layers.{i}", qk_norm
+            )
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

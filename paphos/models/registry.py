@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Mistral is the Llama decoder; its sliding window comes from the config.
     "MistralForCausalLM": ("paphos.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("paphos.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("paphos.models.qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("paphos.models.gemma3", "Gemma3ForCausalLM"),
 }
 

@@ -26,7 +26,7 @@ def _write_tokenizer(path: Path) -> None:
 
 
 def _build(tmp_path: Path, arch: str, seed: int = 0, **overrides) -> tuple[Path, torch.nn.Module]:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -36,6 +36,8 @@ def _build(tmp_path: Path, arch: str, seed: int = 0, **overrides) -> tuple[Path,
     common.update(overrides)
     if arch == "qwen2":
         config = Qwen2Config(architectures=["Qwen2ForCausalLM"], **common)
+    elif arch == "qwen3":  # head_dim 32, not hidden / heads: q_proj is wider than the hidden size
+        config = Qwen3Config(architectures=["Qwen3ForCausalLM"], **({"head_dim": 32} | common))
     else:
         config = LlamaConfig(architectures=["LlamaForCausalLM"], **common)
     torch.manual_seed(seed)

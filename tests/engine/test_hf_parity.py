@@ -82,7 +82,7 @@ def make_prompts(count: int, seed: int, shared_prefix: list[int]) -> list[list[i
     return [shared_prefix + torch.randint(3, 96, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3-rope"])
 def test_every_scheduled_token_matches_hf_with_chunking_prefix_hits_and_preemption(
     tiny_model, arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -90,7 +90,7 @@ def test_every_scheduled_token_matches_hf_with_chunking_prefix_hits_and_preempti
     if arch == "llama3-rope":
         overrides = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
-    path, hf_model = tiny_model("qwen2" if arch == "qwen2" else "llama", **overrides)
+    path, hf_model = tiny_model("llama" if arch == "llama3-rope" else arch, **overrides)
     # A budget of 24 tokens chunks every longer prompt and mixes chunks with decode rows; 24 blocks
     # of 4 tokens cannot hold the 8 sequences at once, so the scheduler must preempt.
     engine = LLMEngine(build_engine_config(

@@ -60,6 +60,21 @@ def test_add_rmsnorm_in_column_chunks_matches_whole_rows(chunk: int) -> None:
     assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
 
 
+def test_add_rmsnorm_per_head_matches_rmsnorm() -> None:
+    """Qwen3's q norm: q [T, heads, head_dim], a strided view of the fused qkv projection, is
+    normalised head by head with one head_dim weight, and keeps its shape."""
+    torch.manual_seed(3)
+    tokens, heads, head_dim = 5, 3, 32
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, dtype=torch.bfloat16) * 3
+    norm = RMSNorm(head_dim, eps=1e-6, params_dtype=torch.bfloat16)
+    norm.weight.data = torch.randn(head_dim, dtype=torch.bfloat16)
+    want = norm(qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim))
+    q = qkv.to(DEVICE)[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    out, summed = fused.add_rmsnorm(q, None, norm.weight.to(DEVICE), norm.eps)
+    assert summed is None and out.shape == (tokens, heads, head_dim)
+    _assert_close_bf16(out.cpu(), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
     torch.manual_seed(1)

@@ -80,6 +80,8 @@ def test_name_mapping() -> None:
     assert gguf_to_hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
     assert gguf_to_hf_name("blk.0.attn_norm.weight") == "model.layers.0.input_layernorm.weight"
     assert gguf_to_hf_name("blk.0.attn_output.weight") == "model.layers.0.self_attn.o_proj.weight"
+    assert gguf_to_hf_name("blk.2.attn_k_norm.weight", "qwen3") == "model.layers.2.self_attn.k_norm.weight"
+    assert gguf_to_hf_name("blk.2.attn_q_norm.weight", "gemma3") == "model.layers.2.self_attn.q_norm.weight"
     assert gguf_to_hf_name("blk.0.mystery.weight") is None
 
 

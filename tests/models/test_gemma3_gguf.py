@@ -13,28 +13,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize as np_dequantize
-from gguf.quants import quantize as np_quantize
 
-from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.loader import GGUFCheckpoint
-from paphos.loader.source import raw_tensor_names
-from paphos.models.registry import resolve_model_class
-from paphos.quant.gguf import GGUFQuantConfig
-from tests.models.paged import hf_logits, run_schedule
+from tests.models.gguf_files import LAYER_NAMES, load_ours, run_chunks, write_like_llamacpp
+from tests.models.paged import hf_logits
 from tests.models.test_gemma3_parity import make_hf
 
-_HF_TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+# Gemma's four norms around attention and MLP.
+_HF_TO_GGUF = LAYER_NAMES | {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }  # fmt: skip
 # Linear weights' types in the synthetic file (the head is tied to the embedding).
 _TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_K",
@@ -42,74 +32,12 @@ _TYPES = {"attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "
 
 
 def _write_like_llamacpp(hf: torch.nn.Module, cfg, path: Path) -> None:
-    """`hf` as llama.cpp's converter writes Gemma 3; `hf`'s linear weights are replaced by their
-    quantized-then-dequantized values, so both sides hold the same numbers."""
-    w = GGUFWriter(str(path), "gemma3")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    w.add_sliding_window(cfg.sliding_window)
-    w.add_uint32("gemma3.vocab_size", cfg.vocab_size)
-    with torch.no_grad():
-        for name, p in hf.state_dict().items():
-            if name == "lm_head.weight":
-                continue
-            array = p.numpy().astype(np.float32)
-            if name == "model.embed_tokens.weight":
-                gguf_name = "token_embd.weight"
-            elif name == "model.norm.weight":
-                gguf_name = "output_norm.weight"
-            else:
-                layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
-                gguf_name = f"blk.{layer}.{_HF_TO_GGUF[module]}.weight"
-            kind = gguf_name.split(".")[-2]
-            if "norm" in kind or kind == "output_norm":
-                w.add_tensor(gguf_name, array + 1.0)  # the converter stores 1 + w
-            elif kind in _TYPES:
-                qtype = GGMLQuantizationType[_TYPES[kind]]
-                if qtype == GGMLQuantizationType.Q4_K:  # no numpy quantizer: take Q8_0 values' blocks
-                    qtype = GGMLQuantizationType.Q8_0
-                raw = np_quantize(array, qtype)
-                p.copy_(torch.from_numpy(np_dequantize(raw, qtype)))
-                w.add_tensor(gguf_name, raw, raw_dtype=qtype)
-            else:
-                w.add_tensor(gguf_name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _ours(ckpt: GGUFCheckpoint, dtype: torch.dtype) -> torch.nn.Module:
-    config = ckpt.hf_config
-    model = resolve_model_class(config)(
-        config, dtype, TorchReferenceBackend(), GGUFQuantConfig.from_checkpoint(ckpt)
-    )
-    model.load_weights(ckpt.iter_weights(show_progress=False, raw_names=raw_tensor_names(model)))
-    return model.eval()
-
-
-def _run(model: torch.nn.Module, ids: torch.Tensor, chunks: list[int], block: int = 16) -> torch.Tensor:
-    blocks = -(-len(ids) // block) + 1
-    caches = [
-        torch.zeros(model.kv_cache_shape_per_layer(blocks + 1, block), dtype=model.dtype)
-        for _ in range(model.num_layers)
-    ]
-    import tests.models.paged as paged
-
-    old = paged.BLOCK, paged.NUM_BLOCKS
-    paged.BLOCK, paged.NUM_BLOCKS = block, blocks + 1
-    try:
-        return run_schedule(model, caches, [ids], [[n] for n in chunks])[0]
-    finally:
-        paged.BLOCK, paged.NUM_BLOCKS = old
+    """`hf` as llama.cpp's converter writes Gemma 3 (norms stored as 1 + w); `hf`'s linear weights
+    are replaced by their quantized-then-dequantized values, so both sides hold the same numbers."""
+    write_like_llamacpp(
+        hf, cfg, path, "gemma3", _TYPES, layer_names=_HF_TO_GGUF, norm_offset=1.0,
+        rope_freq_base=cfg.rope_parameters["full_attention"]["rope_theta"], sliding_window=cfg.sliding_window,
+    )  # fmt: skip
 
 
 def test_synthetic_gemma3_gguf_matches_hf(tmp_path: Path) -> None:
@@ -128,7 +56,7 @@ def test_synthetic_gemma3_gguf_matches_hf(tmp_path: Path) -> None:
     assert ours_cfg.rope_parameters == cfg.rope_parameters and ours_cfg.tie_word_embeddings
     assert ours_cfg.query_pre_attn_scalar == 16 and ours_cfg.hidden_activation == "gelu_pytorch_tanh"
     ids = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(6))
-    got = _run(_ours(ckpt, torch.float32), ids, [9, 8, 1, 1, 1], block=4)
+    got = run_chunks(load_ours(ckpt, torch.float32), ids, [9, 8, 1, 1, 1], block=4)
     torch.testing.assert_close(got, hf_logits(hf, ids), rtol=0, atol=1e-4)
 
 
@@ -170,14 +98,14 @@ def test_real_config(real) -> None:
 
 def test_real_float32_matches_hf(real) -> None:
     ckpt, _, ids, ref = real
-    got = _run(_ours(ckpt, torch.float32), ids, [len(ids) - 3, 1, 1, 1])
+    got = run_chunks(load_ours(ckpt, torch.float32), ids, [len(ids) - 3, 1, 1, 1])
     assert (got - ref).abs().max() <= 1e-3, (got - ref).abs().max()
 
 
 def test_real_bfloat16_quantized_close_to_hf(real) -> None:
     ckpt, _, ids, ref = real
-    model = _ours(ckpt, torch.bfloat16)
-    got = _run(model, ids, [len(ids) - 3, 1, 1, 1])
+    model = load_ours(ckpt, torch.bfloat16)
+    got = run_chunks(model, ids, [len(ids) - 3, 1, 1, 1])
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     delta = (
         (got.log_softmax(-1) - ref.log_softmax(-1))

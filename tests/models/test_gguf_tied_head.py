@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import tests.models.test_gemma3_gguf as gemma_gguf
 from paphos.loader import GGUFCheckpoint
 from paphos.quant.gguf import GGUFLinearMethod
+from tests.models.gguf_files import load_ours, run_chunks
 from tests.models.paged import hf_logits
 from tests.models.test_gemma3_parity import make_hf
 
@@ -40,16 +41,16 @@ def test_gemma3_tied_quantized_head_with_soft_cap(
     ref = hf_logits(hf, ids)
     assert ref.abs().max() > 0.9 * SOFT_CAP  # the cap bites
 
-    model = gemma_gguf._ours(ckpt, torch.float32)
+    model = load_ours(ckpt, torch.float32)
     embed = model.model.embed_tokens
     assert isinstance(embed.quant_method, GGUFLinearMethod) and embed.weight.dtype == torch.uint8
     assert model.lm_head.weight is embed.weight
     assert torch.equal(embed(ids), F.embedding(ids, table))
-    got = gemma_gguf._run(model, ids, [9, 8, 1, 1, 1], block=4)
+    got = run_chunks(model, ids, [9, 8, 1, 1, 1], block=4)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
 
-    model = gemma_gguf._ours(ckpt, torch.bfloat16)  # Q4_0: int4pack head, lookups from raw blocks
+    model = load_ours(ckpt, torch.bfloat16)  # Q4_0: int4pack head, lookups from raw blocks
     assert torch.equal(model.model.embed_tokens(ids), F.embedding(ids, table.to(torch.bfloat16)))
-    got = gemma_gguf._run(model, ids, [9, 8, 1, 1, 1], block=4)
+    got = run_chunks(model, ids, [9, 8, 1, 1, 1], block=4)
     assert got.dtype == torch.float32 and got.abs().max() <= SOFT_CAP
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9

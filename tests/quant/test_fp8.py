@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 from transformers import LlamaForCausalLM as HFLlama
+from transformers import Qwen3ForCausalLM as HFQwen3
 
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.layers.linear import LinearBase, QKVLinear
@@ -370,11 +371,14 @@ SMALL = dict(
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _hf_model() -> tuple[LlamaConfig, HFLlama]:
+def _hf_model(arch: str = "llama") -> tuple[LlamaConfig | Qwen3Config, HFLlama | HFQwen3]:
     torch.manual_seed(0)
-    cfg = LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"])
+    if arch == "qwen3":  # heads of 32: q_proj has 128 rows for a hidden size of 64
+        cfg, cls = Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"]), HFQwen3
+    else:
+        cfg, cls = LlamaConfig(**SMALL, architectures=["LlamaForCausalLM"]), HFLlama
     cfg._attn_implementation = "eager"
-    hf = HFLlama(cfg).eval()
+    hf = cls(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.15)
@@ -551,14 +555,16 @@ def _block_quantize(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, to
     return (w / spread).clamp(-448.0, 448.0).to(FP8), scale
 
 
-def test_fp8_format_block_scales_match_emulation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp8_format_block_scales_match_emulation(tmp_path: Path, arch: str) -> None:
     """The `fp8` format with `weight_block_size` (DeepSeek-V3, Qwen3-FP8): a float32 scale per
     block as `weight_scale_inv`, activations per token and run of the block's columns. 24 x 48
-    blocks leave short blocks at every edge (q 64 rows, k / v 32, K = 64 and 128); the weights
-    equal transformers' own dequantizer's bit for bit, and the logits its emulation."""
+    blocks leave short blocks at every edge (Llama: q 64 rows, k / v 32, K = 64 and 128; Qwen3,
+    whose q/k norms stay float: q 128 rows, k / v 64); the weights equal transformers' own
+    dequantizer's bit for bit, and the logits its emulation."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    cfg, hf = _hf_model()
+    cfg, hf = _hf_model(arch)
     block = [24, 48]
     tensors = dict(hf.state_dict())
     dequantized = {}

@@ -77,14 +77,15 @@ def _assert_same(reference: list[RequestOutput], sharded: list[RequestOutput]) -
     assert worst <= TOLERANCE, f"max |logprob difference| {worst:.2e} > {TOLERANCE}"
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2-mqa-tied-odd-vocab"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2-mqa-tied-odd-vocab", "qwen3"])
 def test_tp2_matches_tp1_on_a_tiny_safetensors_model(tiny_model, engines: list[LLM], variant: str) -> None:
     """llama: 2 KV heads sharded, untied head. qwen2: q/k/v biases, one KV head replicated on both
-    ranks, a head tied to the embedding, a vocabulary of 97 (the last rank's rows padded)."""
-    if variant == "llama":
-        path, _ = tiny_model("llama")
-    else:
+    ranks, a head tied to the embedding, a vocabulary of 97 (the last rank's rows padded). qwen3:
+    heads wider than hidden / heads, the per-head q/k norms whole on each rank."""
+    if variant == "qwen2-mqa-tied-odd-vocab":
         path, _ = tiny_model("qwen2", num_key_value_heads=1, tie_word_embeddings=True, vocab_size=97)
+    else:
+        path, _ = tiny_model(variant)
     engines.append(LLM(str(path), **ENGINE))
     engines.append(LLM(str(path), **ENGINE, tensor_parallel_size=2))
     _assert_same(_workload(engines[0], 96), _workload(engines[1], 96))
