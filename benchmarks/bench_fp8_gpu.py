@@ -26,7 +26,8 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
              last, a decoder layer's four linears summed
   blocks_sweep  the block-wise launches per shape (128 x 128 blocks): at one token the GEMV's rows
              per program and warps, at 4 / 16 tokens and at 512 / 2048 (prefill) the small-M
-             kernel's tiles (`BLOCK_CANDIDATES`), each checked against the emulation first
+             kernel's tiles (`BLOCK_CANDIDATES`) and, above SMALL_M_MAX, cuBLAS's block-scaled
+             `_scaled_mm`, each checked against the emulation first
   kernels    per compiled `_small_m_kernel` variant: registers, spills, shared memory, and PTX
              instruction counts (16-byte loads, cp.async, fp8 conversions, wgmma or mma.sync)
   sweep      K x N in {4096x6144 (qkv), 4096x4096 (o), 4096x28672 (gate_up), 14336x4096 (down)},
@@ -46,6 +47,7 @@ otherwise costs a minute or more of device time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -465,8 +467,9 @@ def section_blocks(results: dict[str, Any], args: argparse.Namespace) -> dict[st
         w_bf16 = w32.to(torch.bfloat16)
         pc, pcs = fp8_weight(n, k, 0)
         copies = max(1, math.ceil(3 * L2_BYTES / wq.numel()))
-        blocks = [kb.BlockScales(scales, block, block)] + [kb.BlockScales(scales.clone(), block, block)
-                                                           for _ in range(copies - 1)]  # fmt: skip
+        why_not = kb.cublas_blocks_unsupported(torch.device(DEV), torch.bfloat16, block, block, n, k)
+        blocks = [kb.BlockScales(scales, block, block, why_not is None)] + [
+            kb.BlockScales(scales.clone(), block, block, why_not is None) for _ in range(copies - 1)]  # fmt: skip
         fp8_ws = [(wq, pc, pcs)] + [(wq.clone(), pc.clone(), pcs.clone()) for _ in range(copies - 1)]
         bf16_ws = [w_bf16] + [w_bf16.clone() for _ in range(max(1, math.ceil(3 * L2_BYTES / (2 * wq.numel()))) - 1)]
         for m in args.ms:
@@ -482,7 +485,7 @@ def section_blocks(results: dict[str, Any], args: argparse.Namespace) -> dict[st
             }
             gbps = {c: ((2 if c == "bf16" else 1) * n * k + m * k * 2 + m * n * 2) / (t * 1e-6) / 1e9
                     for c, t in us.items()}  # fmt: skip
-            row = {"shape": name, "K": k, "N": n, "M": m, "us": us, "rel_err": rel_err(got, ref),
+            row = {"shape": name, "K": k, "N": n, "M": m, "us": us, "rel_err": rel_err(got, ref), "no_cublas": why_not,
                    "frac_bw": {c: v * 1e9 / copy_bw for c, v in gbps.items()}}  # fmt: skip
             rows.append(row)
             print(f"{name:8s} M={m:<4d} bf16 {us['bf16']:7.1f}  fp8 per-channel {us['fp8_channel']:7.1f}  "
@@ -539,6 +542,14 @@ def section_blocks_sweep(results: dict[str, Any], args: argparse.Namespace) -> d
                         row[label] = (graph_time(calls) * 1e6, err)
                     except Exception as e:  # noqa: BLE001
                         row[label] = f"error: {type(e).__name__}: {e}"[:200]
+            if m > k8.SMALL_M_MAX:
+                cublas = [(a, dataclasses.replace(b, cublas=True)) for a, b in ws]
+                try:
+                    err = rel_err(kb.fp8_block_linear(xm, wq, cublas[0][1], torch.bfloat16), ref)
+                    row["cublas"] = (graph_time([lambda a=a, xm=xm: kb.fp8_block_linear(xm, a[0], a[1], torch.bfloat16)
+                                                 for a in cublas]) * 1e6, err)  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    row["cublas"] = f"error: {type(e).__name__}: {e}"[:200]
             for label, cfg in BLOCK_CANDIDATES.items() if m > 1 else ():
                 try:
                     err = rel_err(kb.fp8_block_linear(xm, wq, ws[0][1], torch.bfloat16, None, cfg), ref)

@@ -56,7 +56,12 @@ from paphos.quant.kernels.fp8 import (
     row_scales,
     scaled_mm_unsupported,
 )
-from paphos.quant.kernels.fp8_blocks import BlockScales, block_kernel_unsupported, fp8_block_linear
+from paphos.quant.kernels.fp8_blocks import (
+    BlockScales,
+    block_kernel_unsupported,
+    cublas_blocks_unsupported,
+    fp8_block_linear,
+)
 from paphos.quant.modules import checkpoint_modules, matches
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ logger = logging.getLogger(__name__)
 Activation = Literal["dynamic", "static", "group", "none"]
 FP8_GEMM = "FP8 GEMM (Triton for a few tokens, torch._scaled_mm for more)"
 FP8_BLOCK_GEMM = "block-scaled FP8 GEMM (Triton)"
+FP8_BLOCK_GEMM_CUBLAS = "block-scaled FP8 GEMM (Triton for a few tokens, cuBLAS for more)"
 DEQUANTIZED = "dequantized at load"
 DEQUANT_ROWS = 1024  # output rows dequantized at a time
 
@@ -116,7 +122,7 @@ class Fp8LinearMethod:
         self.blocks = blocks
         self.act_group = act_group
         self.out_dtype = torch.float32
-        self.kernel: str | None = None  # FP8_GEMM, FP8_BLOCK_GEMM or DEQUANTIZED once loaded
+        self.kernel: str | None = None  # FP8_GEMM, FP8_BLOCK_GEMM(_CUBLAS) or DEQUANTIZED once loaded
         self.reason: str | None = None  # why not an FP8 GEMM
         self.row_parallel = False
 
@@ -240,8 +246,11 @@ class Fp8LinearMethod:
         if self.reason is None and self.blocks is not None:
             self.reason = self._block_kernel_problem(layer)
         if self.reason is None:
-            self.kernel = FP8_GEMM if self.blocks is None else FP8_BLOCK_GEMM
+            self.kernel = FP8_GEMM
             if self.blocks is not None:  # one scale per block again: the rows of a block are equal
+                rows, cols = self.blocks.rows, self.blocks.cols
+                cublas = cublas_blocks_unsupported(layer.weight.device, self.out_dtype, rows, cols, n, k) is None
+                self.kernel = FP8_BLOCK_GEMM_CUBLAS if cublas else FP8_BLOCK_GEMM
                 first = layer.tp_cols().start // self.blocks.cols
                 scales = getattr(layer, self.blocks.scale_name).data[:: self.blocks.rows]
                 compact = scales[:, first : first + -(-k // self.blocks.cols)].contiguous()
@@ -286,8 +295,9 @@ class Fp8LinearMethod:
         return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.kernel == FP8_BLOCK_GEMM:
-            scales = BlockScales(getattr(layer, self.blocks.scale_name), self.blocks.rows, self.blocks.cols)
+        if self.kernel in (FP8_BLOCK_GEMM, FP8_BLOCK_GEMM_CUBLAS):
+            scales = BlockScales(getattr(layer, self.blocks.scale_name), self.blocks.rows, self.blocks.cols,
+                                 cublas=self.kernel == FP8_BLOCK_GEMM_CUBLAS)  # fmt: skip
             return fp8_block_linear(x, layer.weight, scales, self.out_dtype, bias)
         input_scale = layer.input_scale if self.activation == "static" else None
         if self.activation == "dynamic" and self.row_parallel:  # each token scaled by its whole row

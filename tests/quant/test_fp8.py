@@ -282,6 +282,7 @@ def test_triton_quantize_groups_is_bit_exact(kernel, k: int, group: int) -> None
         (3, 70, 300, 32, 64),  # the small-M kernel
         (20, 64, 512, 64, 128),  # K steps of 128 inside blocks of 128
         (70, 40, 256, 16, 32),  # two token tiles, blocks of 32 (K steps of 32)
+        (1, 6, 8320, 128, 128),  # a row longer than GEMV_LONG_K: one row a program
     ],
 )  # fmt: skip
 def test_fp8_block_linear_matches_reference(kernel, m: int, n: int, k: int, rows: int, cols: int) -> None:  # noqa: ANN001
@@ -304,6 +305,57 @@ def test_fp8_block_linear_matches_reference(kernel, m: int, n: int, k: int, rows
             want = ref + (0 if b is None else b.float().cpu())
             assert y.shape == (m, n)
             assert (y.cpu() - want).abs().max().item() <= SMALL_TOL[device] * want.abs().max().item()
+
+
+def test_quantize_groups_scales_by_column(kernel) -> None:  # noqa: ANN001
+    """The layout cuBLAS reads (strides (1, M)): the same codes and scales as row by row."""
+    _, device = kernel
+    x = (torch.randn(5, 300, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16).to(device)
+    q, s = fp8_blocks.triton_quantize_groups(x, 128)
+    q_col, s_col = fp8_blocks.triton_quantize_groups(x, 128, scales_by_column=True)
+    ref_q, ref_s = fp8_blocks.quantize_per_group(x.cpu(), 128, scales_by_column=True)
+    assert s_col.shape == (5, 3) and s_col.stride() == (1, 5) and ref_s.stride() == (1, 5)
+    assert torch.equal(_bits(q_col), _bits(q)) and torch.equal(s_col, s) and torch.equal(ref_s, s.cpu())
+
+
+def test_fp8_block_linear_hands_more_tokens_to_cublas(kernel, monkeypatch) -> None:  # noqa: ANN001
+    """With `BlockScales.cublas`, above SMALL_M_MAX tokens the product is cuBLAS's block-scaled
+    `torch._scaled_mm`, called with the operands and scale layouts torch documents for it (x's
+    scales [M, K / 128] by column, W^T and its scales [K / 128, N / 128] column-major, no copies);
+    up to SMALL_M_MAX the Triton kernels run. The stand-in multiplies as cuBLAS does."""
+    module, device = kernel
+    m_big, n, k = module.SMALL_M_MAX + 8, 256, 512
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    scales = torch.rand(n // 128, k // 128, generator=gen) * 1e-3 + 1e-4
+    spread = scales.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    wq = (w / spread).clamp(-448, 448).to(FP8).to(device)
+    blocks = fp8_blocks.BlockScales(scales.to(device), 128, 128, cublas=True)
+    calls = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):  # noqa: ANN001, ANN202
+        calls.append(a.shape[0])
+        assert a.dtype == FP8 and b.data_ptr() == wq.data_ptr() and b.stride() == (1, k)
+        assert scale_a.shape == (a.shape[0], k // 128) and scale_a.stride() == (1, a.shape[0])
+        assert scale_b.shape == (k // 128, n // 128) and scale_b.stride() == (1, k // 128)
+        x32 = a.float() * scale_a.repeat_interleave(128, 1)
+        return (x32 @ (b.float() * scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1))).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    bias = torch.randn(n, generator=gen).to(device)
+    for m in (m_big, module.SMALL_M_MAX):
+        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16).to(device)
+        want = torch.nn.functional.linear(module.fake_quantize(x.float().cpu(), group=128), wq.float().cpu() * spread)
+        y = fp8_blocks.fp8_block_linear(x, wq, blocks, torch.float32, bias)
+        assert (y.cpu() - want - bias.cpu()).abs().max().item() <= SMALL_TOL[device] * want.abs().max().item()
+    assert calls == [m_big]
+
+
+def test_cublas_blocks_unsupported_says_why() -> None:
+    """Only 128 x 128 blocks on Hopper go to cuBLAS; elsewhere the reason, and the Triton kernels."""
+    cpu = torch.device("cpu")
+    assert "128 x 128" in fp8_blocks.cublas_blocks_unsupported(cpu, torch.bfloat16, 64, 64, 256, 512)
+    assert "cpu" in fp8_blocks.cublas_blocks_unsupported(cpu, torch.bfloat16, 128, 128, 256, 512)
 
 
 # ---------------------------------------------------------------- reference_fp8_linear by hand
@@ -777,13 +829,16 @@ def compile_kernels() -> None:
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
     assert "STACK:0 " in ptx, ptx[-300:]
     print("gemv:ok", flush=True)
+    gemv = fp8_blocks.GEMV_LONG_ROWS  # as fp8_block_linear launches rows this long
     constexprs = dict(HAS_BIAS=False, NB=128, BR=128, BC=128, RPP=gemv.rows_per_program, PDL=True)
     ptx = compile_sm90(fp8_blocks._gemv_blocks_kernel, args, constexprs, gemv.num_warps, ints)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "griddepcontrol.wait" in ptx, ptx[-300:]
     assert "STACK:0 " in ptx, ptx[-300:]
     print("gemv_blocks:ok", flush=True)
-    args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "n_groups": "i32", "stride_xm": "i32"}
+    args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "n_groups": "i32", "stride_xm": "i32",
+            "stride_sm": "i32", "stride_sg": "i32"}  # fmt: skip
     constexprs = dict(G=128, GB=16, QMAX=k8.FP8_MAX, SMIN=k8.MIN_SCALE, PDL=True)
-    ptx = compile_sm90(fp8_blocks._quantize_groups_kernel, args, constexprs, 4, dict(K=4096, n_groups=32, stride_xm=4096))
+    ints = dict(K=4096, n_groups=32, stride_xm=4096, stride_sm=1, stride_sg=512)  # scales by column, 512 tokens
+    ptx = compile_sm90(fp8_blocks._quantize_groups_kernel, args, constexprs, 4, ints)
     assert "STACK:0 " in ptx, ptx[-300:]
     print("groups:ok", flush=True)
