@@ -41,7 +41,7 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
   fp8_offline_kv8, bf16_offline_kv8   the same with an fp8 KV cache (at this batch the KV cache's
                  reads outweigh the weights')
 Each engine section (paphos.LLM, CUDA graphs): batch-1 decode tok/s with the GB/s of the weight
-bytes one token reads and its fraction of copy BW, batch-16 / 32 / 64 decode tok/s, pp512 tok/s,
+bytes one token reads and its fraction of copy BW, batch-16 / 32 / 64 (and `--batches`) decode tok/s, pp512 tok/s,
 weight bytes on the GPU against the checkpoint's tensor bytes, the kernel summary lines the
 engine logged, and the greedy tokens of a fixed prompt.
 """
@@ -174,7 +174,7 @@ def run_engine(bench: Bench, path: Path | None, **extra: Any) -> dict[str, Any]:
                          "frac_copy_bw": read / tpot / bw if bw else None}  # fmt: skip
         done = llm.generate([random_prompts(1, 96, vocab, 7)[0]], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
         out["greedy_tokens"] = done[0].outputs[0].token_ids
-        for batch in (16, 32, 64):
+        for batch in sorted({16, 32, 64, *bench.args.batches}):
             steps = engine_steps(llm, random_prompts(batch, 128, vocab, 10 + batch), 64)
             decode = [t for t, rows in steps[1:] if rows == batch]
             out[f"batch{batch}"] = {"tok_s": batch / statistics.median(decode)} if decode else {"error": "no pure decode steps"}
@@ -467,6 +467,9 @@ def print_engine_table(results: dict[str, Any], base: dict[str, Any], names: tup
               f"{r['batch16'].get('tok_s', 0):8.0f} {ratio('batch16'):>7} {r.get('batch32', {}).get('tok_s', 0):8.0f} "
               f"{ratio('batch32'):>7} {r['batch64'].get('tok_s', 0):8.0f} {ratio('batch64'):>7} "
               f"{r['pp512']['tok_s']:8.0f} {mem['weights_GB']:7.2f} {over:>6}")  # fmt: skip
+        extra = sorted(int(key[5:]) for key in r if key.startswith("batch") and key[5:] not in ("1", "16", "32", "64"))
+        if extra:
+            print(f"{'':16} " + "  ".join(f"b{b} {r[f'batch{b}'].get('tok_s', 0):.0f} (x bf16 {ratio(f'batch{b}')})" for b in extra))
         for line in r.get("kernels", []):
             print(f"{'':16} {line}")
 
@@ -483,6 +486,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--offline-prompts", type=int, default=1000)
     parser.add_argument("--fixtures", default="*", help="fixtures section: a glob of the fixture names (e.g. 'exl2*')")
+    parser.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
+                        help="engine sections: decode batch sizes measured besides 16, 32 and 64 (e.g. 2,4,8)")
     parser.add_argument("--profile", action="store_true", help="engine sections: profile batch-1 and batch-16 decode steps and a pp512 step (per-kernel "
                         "times with PAPHOS_DISABLE_PDL=1: PDL folds each kernel's wait into its time)")
     args = parser.parse_args()

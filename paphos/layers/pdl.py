@@ -15,7 +15,15 @@ writes memory at all. Since each kernel completes only after its own `wait`, a k
 also covers every kernel before the previous one. A kernel launched without PDL (torch, cuBLAS)
 starts after its predecessor has finished as always, and a PDL kernel after it simply starts then.
 
-`PAPHOS_DISABLE_PDL=1` turns it off (every kernel then starts after the previous one finished).
+Only steps of up to `MAX_TOKENS` (2) tokens launch with PDL. Measured with PDL everywhere against
+nowhere in one lease (GPTQ 4-bit, Llama-3-8B shape, one H100): batch 1 +9.9 % and 2 +3.3 % with it,
+4 / 8 / 16 tokens -1.6 / -4.0 / -3.7 % (on an H200 16 tokens -7 %), 32 and 64 within 1.2 %, bf16
+within 2 % at every size. (Which kernels lose at 4-16 tokens was not isolated; the int8 GEMM's own
+launch without PDL changed nothing, benchmarks/README.md "PDL by step size".) Kernels take
+the step's tokens as their first dimension, so one launch rule covers them all, and each CUDA
+graph, captured at one batch size, launches its kernels alike. `PAPHOS_PDL_MAX_TOKENS` moves the
+bound; `PAPHOS_DISABLE_PDL=1` turns PDL off (every kernel then starts after the previous one
+finished).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ except ImportError:  # CPU-only installs, or a triton without grid dependency co
     triton = None
 
 ENABLED = os.environ.get("PAPHOS_DISABLE_PDL", "0") in ("", "0")
+MAX_TOKENS = int(os.environ.get("PAPHOS_PDL_MAX_TOKENS", "2"))
 
 
 @cache
@@ -41,9 +50,10 @@ def _supported(device_index: int) -> bool:
 
 
 def options(x: torch.Tensor) -> dict[str, bool]:
-    """Launch keywords for a kernel taking the `PDL` constexpr, on x's device: PDL on CUDA
-    devices of compute capability 9.0 and later (never in the interpreter)."""
-    on = ENABLED and triton is not None and x.is_cuda and _supported(
+    """Launch keywords for a kernel taking the `PDL` constexpr, x [tokens, ...] on its device: PDL
+    on CUDA devices of compute capability 9.0 and later for steps of up to MAX_TOKENS tokens
+    (never in the interpreter)."""
+    on = ENABLED and triton is not None and x.is_cuda and x.shape[0] <= MAX_TOKENS and _supported(
         torch.cuda.current_device() if x.device.index is None else x.device.index
     )
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
