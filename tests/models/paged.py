@@ -11,6 +11,17 @@ BLOCK = 4
 NUM_BLOCKS = 32
 
 
+def scramble_weights(hf, norm_center: float, norm_spread: float = 0.3) -> None:
+    """Larger-than-default random weights and non-trivial norms (norm_center + noise: 1 for
+    x * w norms, 0 for Gemma's (1 + w) ones), so that mistakes show in the logits."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(norm_center + norm_spread * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+
+
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return hf(ids[None]).logits[0].float()

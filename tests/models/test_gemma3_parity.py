@@ -24,7 +24,7 @@ from paphos.models.registry import resolve_model_class
 from paphos.sampling_params import SamplingParams
 from tests.engine.conftest import _write_tokenizer
 from tests.engine.test_hf_parity import LogitRecorder, hf_greedy, run_engine
-from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule
+from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule, scramble_weights
 
 TOL = 1e-4
 WINDOW = 6
@@ -47,12 +47,7 @@ def make_hf(seed: int = 0, **overrides) -> tuple[Gemma3TextConfig, HFGemma3]:
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     hf = HFGemma3(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(0.3 * torch.randn_like(p))  # zero-centred: the scale is 1 + w
-            else:
-                p.normal_(0.0, 0.15)
+    scramble_weights(hf, norm_center=0.0)  # zero-centred: the scale is 1 + w
     return cfg, hf
 
 

@@ -15,7 +15,7 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.models.registry import resolve_model_class
-from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule
+from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule, scramble_weights
 
 TOL = 1e-4
 SMALL = dict(
@@ -67,13 +67,7 @@ def make_hf(name: str):
         raise AssertionError(name)
     cfg._attn_implementation = "eager"
     hf = cls(cfg).eval()
-    # Larger-than-default random weights (and non-trivial norms/biases) make mistakes visible.
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    scramble_weights(hf, norm_center=1.0, norm_spread=0.2)
     return cfg, hf
 
 

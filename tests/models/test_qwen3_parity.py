@@ -18,7 +18,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.models.qwen3 import Qwen3ForCausalLM
 from paphos.models.registry import resolve_model_class
-from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule
+from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule, scramble_weights
 
 TOL = 1e-4
 WINDOW = 5
@@ -42,12 +42,7 @@ def make_hf(seed: int = 0, **overrides) -> tuple[Qwen3Config, HFQwen3]:
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     hf = HFQwen3(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    scramble_weights(hf, norm_center=1.0)
     return cfg, hf
 
 
