@@ -59,7 +59,7 @@ VENVS: dict[str, tuple[list[str], str, list[str]]] = {
         ["llmcompressor==0.14.0.1"],
         "quant_fixtures.llmc_fixtures",
         ["ct-w4a16-sym-g64", "ct-w4a16-asym-g64", "ct-w8a16-channel", "ct-awq-asym-g64", "ct-fp8-dynamic",
-         "ct-fp8-static", "ct-fp8-block", "ct-naive-w8a8"],
+         "ct-fp8-static", "ct-fp8-block", "ct-naive-w8a8", "ct-fp8-dynamic-kv"],
     ),
     "qvenv-llmc013": (["llmcompressor==0.13.0"], "quant_fixtures.llmc_fixtures", ["ct-w4a16-gptq-actorder-group"]),
     "qvenv-awq": (["autoawq==0.2.9", "transformers==4.51.3"], "quant_fixtures.autoawq_fixtures",

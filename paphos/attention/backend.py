@@ -51,6 +51,11 @@ class AttentionBackend(Protocol):
     `int8_outputs` (the o projection's int8 layouts, paphos/layers/x_int8_outputs.py) lets a
     backend write the int8 parts of its output that projection reads, attached to the output;
     where it writes none the projection quantizes the output itself, so ignoring it is correct.
+
+    `kv_scales` (k_scale, v_scale): this layer's per-tensor scales of an fp8 cache (a checkpoint's,
+    paphos/quant/kv_cache.py), as Python floats, constant per layer (no tensor read in a step, so
+    a captured graph keeps them); None takes the backend's own (its constructor's, 1.0 by
+    default). An fp8 cache stores x / scale and reads stored * scale; other cache dtypes ignore them.
     """
 
     name: str
@@ -68,6 +73,7 @@ class AttentionBackend(Protocol):
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
         int8_outputs: Int8Outputs | None = None,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor: ...
 
 

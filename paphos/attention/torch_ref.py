@@ -12,7 +12,8 @@ Data flow: model runner -> model -> attention layer -> here. Two jobs:
       - prefill chunks are attended one sequence at a time with
         `torch.nn.functional.scaled_dot_product_attention` (or the matmul path when soft-capping).
 All score/softmax/value math runs in fp32 whatever the cache dtype; the result is cast back.
-An fp8 cache is dequantized (stored * scale, per-tensor k_scale / v_scale) right after the gather.
+An fp8 cache is dequantized (stored * scale, per-tensor k_scale / v_scale: the layer's `kv_scales`,
+else the backend's own) right after the gather.
 """
 
 from __future__ import annotations
@@ -82,23 +83,27 @@ class TorchReferenceBackend:
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
         int8_outputs: Int8Outputs | None = None,  # written by GPU backends only
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         if rotary is not None:
             assert positions is not None, "rotary needs the token positions"
             q, k = rotary(positions, q, k)
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        kv_scales = kv_scales or (self.k_scale, self.v_scale)
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, *kv_scales)
         if metadata.decode_only:
             # Device tensors only (a compiled decode step, worker/cpu_compiled.py): every row is
             # one sequence's query; block_tables are as wide as the longest context needs.
             return self._attend_decode(
-                q, kv_cache, metadata.seq_lens, metadata.block_tables, scale, sliding_window, logits_soft_cap
-            )
+                q, kv_cache, metadata.seq_lens, metadata.block_tables, scale, sliding_window, logits_soft_cap,
+                kv_scales,
+            )  # fmt: skip
         plan = self._get_plan(metadata, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in plan.decode_groups:
             out[group.rows] = self._attend_decode(
-                q[group.rows], kv_cache, group.seq_lens, group.block_tables, scale, sliding_window, logits_soft_cap
-            )
+                q[group.rows], kv_cache, group.seq_lens, group.block_tables, scale, sliding_window, logits_soft_cap,
+                kv_scales,
+            )  # fmt: skip
         prefills = plan.prefills
         if (
             sliding_window is None
@@ -114,7 +119,7 @@ class TorchReferenceBackend:
                 native_cpu.prefill_attention(q, k, v, out, [p.start for p in whole], [p.seq_len for p in whole], scale)
                 prefills = [p for p in prefills if p.end - p.start != p.seq_len]
         for p in prefills:
-            out[p.start : p.end] = self._prefill(q, k, v, kv_cache, p, scale, sliding_window, logits_soft_cap)
+            out[p.start : p.end] = self._prefill(q, k, v, kv_cache, p, scale, sliding_window, logits_soft_cap, kv_scales)
         return out
 
     # ---------------------------------------------------------------- planning (host side, once a step)
@@ -189,10 +194,11 @@ class TorchReferenceBackend:
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """q [b, Hq, D], one query per sequence at position seq_len - 1; seq_lens [b] and
         block_tables [b, blocks] integer (the native kernel reads int32, the gather long) ->
-        [b, Hq, D] in q's dtype."""
+        [b, Hq, D] in q's dtype. `kv_scales`: an fp8 cache's (k_scale, v_scale), else the backend's."""
         if sliding_window is None and soft_cap is None and native_cpu.decode_attention_supported(q, kv_cache):
             # Straight from the paged cache, no gather: 16 sequences of 128 tokens (SmolLM2, 2
             # cores) 22 us a layer against 82 us for the reductions below inside the compiled step.
@@ -205,7 +211,8 @@ class TorchReferenceBackend:
         # so flattening blocks into one token axis is a free view.
         keys = kv_cache[:, 0][block_tables].view(b, length, num_kv_heads, head_dim)
         values = kv_cache[:, 1][block_tables].view(b, length, num_kv_heads, head_dim)
-        keys, values = dequantize_kv(keys, self.k_scale), dequantize_kv(values, self.v_scale)
+        k_scale, v_scale = kv_scales or (self.k_scale, self.v_scale)
+        keys, values = dequantize_kv(keys, k_scale), dequantize_kv(values, v_scale)
 
         pos = torch.arange(length, device=q.device)
         valid = pos[None, :] < seq_lens[:, None]
@@ -231,6 +238,7 @@ class TorchReferenceBackend:
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         q_len, ctx_len = p.end - p.start, p.seq_len
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -240,7 +248,8 @@ class TorchReferenceBackend:
         else:
             keys = kv_cache[:, 0][p.blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]
             values = kv_cache[:, 1][p.blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]
-            keys, values = dequantize_kv(keys, self.k_scale), dequantize_kv(values, self.v_scale)
+            k_scale, v_scale = kv_scales or (self.k_scale, self.v_scale)
+            keys, values = dequantize_kv(keys, k_scale), dequantize_kv(values, v_scale)
 
         qh = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         kh = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]

@@ -39,7 +39,8 @@ class TritonAttentionBackend:
     """Paged attention with Triton kernels (CUDA; also runs on CPU under TRITON_INTERPRET=1).
 
     k_scale / v_scale: per-tensor scales of an fp8 KV cache (stored = x / scale, read back as
-    stored * scale); ignored for fp16/bf16 caches. max_splits caps the split-KV factor of decode.
+    stored * scale) for calls that pass no `kv_scales` of their own (a checkpoint's per-layer
+    scales); ignored for fp16/bf16 caches. max_splits caps the split-KV factor of decode.
     num_sms: the processor count used to size the split-KV factor (default: the current device's).
     decode_config / prefill_config: tile sizes (default: per head size, tuned on an H200).
     """
@@ -85,22 +86,26 @@ class TritonAttentionBackend:
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
         int8_outputs: Int8Outputs | None = None,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """Any flat batch of decode rows and prefill chunks; q [T, Hq, D] -> out [T, Hq, D].
 
         Reads the device tensors of `metadata` plus the host ints max_query_len and decode_only;
-        no host lists, no synchronization. `int8_outputs` serves decode-only batches alone."""
+        no host lists, no synchronization. `int8_outputs` serves decode-only batches alone.
+        `kv_scales`: the layer's fp8 cache scales (Python floats), else this backend's."""
         if getattr(metadata, "decode_only", False) or metadata.max_query_len == 1:
             return self.forward_decode(
-                q, k, v, kv_cache, metadata, scale, sliding_window, logits_soft_cap, rotary, positions, int8_outputs
-            )
+                q, k, v, kv_cache, metadata, scale, sliding_window, logits_soft_cap, rotary, positions, int8_outputs,
+                kv_scales,
+            )  # fmt: skip
         self._check(q, k, v, kv_cache)
-        q = self._store_kv(q, k, v, kv_cache, metadata.slot_mapping, rotary, positions)
+        k_scale, v_scale = kv_scales or (self.k_scale, self.v_scale)
+        q = self._store_kv(q, k, v, kv_cache, metadata.slot_mapping, rotary, positions, k_scale, v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         common = dict(
             scale=scale,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
             sliding_window=sliding_window,
             soft_cap=logits_soft_cap,
         )
@@ -157,13 +162,15 @@ class TritonAttentionBackend:
         rotary: Rotary | None = None,
         positions: torch.Tensor | None = None,
         int8_outputs: Int8Outputs | None = None,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """A batch where every sequence has exactly one query row: row i of q is sequence i.
 
         Reads only metadata.slot_mapping [T], metadata.seq_lens [T] and metadata.block_tables
         [T, max_blocks] (device tensors); grid sizes depend only on T = q.shape[0], the head
         counts and this backend's fixed config. Padding rows for a captured graph: slot in the
-        null block 0 (or -1: not stored) and seq_len 0 (their output is zeros) or 1.
+        null block 0 (or -1: not stored) and seq_len 0 (their output is zeros) or 1. `kv_scales`
+        are kernel arguments: a captured graph replays each layer's own.
         """
         self._check(q, k, v, kv_cache)
         if metadata.seq_lens.shape[0] != q.shape[0]:
@@ -171,7 +178,8 @@ class TritonAttentionBackend:
                 f"forward_decode needs one query row per sequence: {q.shape[0]} rows, "
                 f"{metadata.seq_lens.shape[0]} sequences"
             )
-        q = self._store_kv(q, k, v, kv_cache, metadata.slot_mapping, rotary, positions)
+        k_scale, v_scale = kv_scales or (self.k_scale, self.v_scale)
+        q = self._store_kv(q, k, v, kv_cache, metadata.slot_mapping, rotary, positions, k_scale, v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_attention_decode(
             q,
@@ -181,8 +189,8 @@ class TritonAttentionBackend:
             out,
             scale=scale,
             num_splits=self.num_splits(q.shape[0], kv_cache.shape[3], q.device),
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
             sliding_window=sliding_window,
             soft_cap=logits_soft_cap,
             config=self.decode_config,
@@ -199,21 +207,22 @@ class TritonAttentionBackend:
         slot_mapping: torch.Tensor,
         rotary: Rotary | None,
         positions: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
-        """Rotates q and k (when given a rotary) and stores k, v in the cache; returns the q to
-        attend with."""
+        """Rotates q and k (when given a rotary) and stores k, v in the cache (an fp8 cache as
+        x / scale); returns the q to attend with."""
         if rotary is None:
-            write_kv_cache_triton(k, v, kv_cache, slot_mapping, self.k_scale, self.v_scale)
+            write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale, v_scale)
             return q
         assert positions is not None, "rotary needs the token positions"
         if rotary.fusable and all(x.stride(-1) == 1 for x in (q, k, v)):
             rope_and_write_kv_cache_triton(
-                positions, q, k, v, kv_cache, slot_mapping, rotary.cos_sin_cache, rotary.rotary_dim,
-                self.k_scale, self.v_scale,
+                positions, q, k, v, kv_cache, slot_mapping, rotary.cos_sin_cache, rotary.rotary_dim, k_scale, v_scale,
             )  # fmt: skip
             return q
         q, k = rotary(positions, q, k)
-        write_kv_cache_triton(k, v, kv_cache, slot_mapping, self.k_scale, self.v_scale)
+        write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale, v_scale)
         return q
 
     # ---------------------------------------------------------------- launch config

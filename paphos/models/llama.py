@@ -35,6 +35,7 @@ from paphos.layers.weights import ShapeMismatchError, default_weight_loader
 from paphos.layers.x_int8_outputs import Int8Outputs
 from paphos.models import hf_config
 from paphos.models.errors import UnsupportedModelError, WeightLoadError
+from paphos.quant import kv_cache as quant_kv
 
 
 def _method(quant_config: QuantConfig | None, prefix: str) -> LinearMethod | None:
@@ -56,7 +57,10 @@ class LlamaAttention(nn.Module):
     """q/k/v projection -> (optional per-head q and k norms) -> backend (RoPE, K/V store, paged
     attention) -> o_proj. With `qk_norm` (Qwen3's RMSNorm, Gemma 3's (1 + w) one), each head of q
     and of k is normalised over head_dim before RoPE; the weights have head_dim entries, so under
-    tensor parallelism every rank holds them whole."""
+    tensor parallelism every rank holds them whole. Where the quant config says the checkpoint
+    carries FP8 KV-cache scales, `k_scale` / `v_scale` (per-tensor scalars, whole on every rank)
+    are read once after loading into `kv_scales` and handed to the backend on every call
+    (paphos/quant/kv_cache.py); an fp8 cache applies them, other caches ignore them."""
 
     def __init__(
         self,
@@ -99,6 +103,13 @@ class LlamaAttention(nn.Module):
         # Set after loading (x_int8_outputs.feed): o_proj's int8 layouts, which the attention
         # backend's decode merge writes beside its output.
         self.int8_outputs: Int8Outputs | None = None
+        # The checkpoint's (k_scale, v_scale) as Python floats, set after loading (None: none).
+        self.kv_scales: tuple[float, float] | None = None
+        if getattr(quant_config, "kv_cache_scales", False):
+            quant_kv.add_scale_params(self)
+
+    def process_weights_after_loading(self) -> None:
+        self.kv_scales = quant_kv.read_scales(self)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
@@ -112,7 +123,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.backend.forward(
             q, k, v, kv_cache, md, self.scale, sliding_window=self.sliding_window, rotary=self.rotary_emb,
-            positions=positions, int8_outputs=self.int8_outputs,
+            positions=positions, int8_outputs=self.int8_outputs, kv_scales=self.kv_scales,
         )
         return self.o_proj(x_int8.reshape(out, t, self.num_heads * self.head_dim))
 
@@ -361,8 +372,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # derived buffers some checkpoints carry (inv_freq, cos/sin caches)
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the head is the embedding
-            target, shard = name, None
-            for theirs, ours, shard_id in _STACKED:
+            # Older names of the KV-cache scales (k_proj.output_scale) are not q/k/v shards.
+            target, shard = quant_kv.checkpoint_name(name), None
+            for theirs, ours, shard_id in _STACKED if target == name else ():
                 if theirs in name:
                     target, shard = name.replace(theirs, ours), shard_id
                     break
@@ -374,6 +386,10 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor) if shard is None else loader(param, tensor, shard)
             except ShapeMismatchError as e:
                 raise WeightLoadError.shape_mismatch(name, e.expected, e.got) from None
+            except WeightLoadError:
+                raise
+            except ValueError as e:  # a value the parameter cannot take (e.g. a scale of 0)
+                raise WeightLoadError(f"checkpoint tensor {name!r}: {e}", name) from None
             seen.add(name)
         missing = sorted(expected - seen)
         if missing:
@@ -386,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.quant_method.process_weights_after_loading(module)
-            elif isinstance(module, (VocabEmbedding, LMHead)):
+            elif isinstance(module, (VocabEmbedding, LMHead, LlamaAttention)):
                 module.process_weights_after_loading()
         for module in self.modules():
             if isinstance(module, LlamaDecoderLayer):

@@ -7,9 +7,13 @@ Data flow: registry.select -> `from_quant_config(qc)` -> by `format`:
     `CompressedTensorsIntConfig`: each targeted linear gets an `IntLinearMethod` with `PackedLayout`
     or `NaiveLayout` (the int kernel family, shared with GPTQ and AWQ);
   - "float-quantized" (FP8 weights, FP8 activations dynamic per token or static per tensor) ->
-    paphos/quant/fp8.py.
-Anything else (static or asymmetric activation quantization, sparsity, transforms, KV-cache schemes, other formats) is refused
-at start-up naming the field and value.
+    paphos/quant/fp8.py;
+  - "dense" with no config groups (a recipe that quantizes only the KV cache) -> `KVCacheOnlyConfig`:
+    float weights.
+`kv_cache_scheme` (FP8 per tensor, static: the checkpoint's per-layer k_scale / v_scale, applied to
+an fp8 KV cache) is validated for every format and sets the config's `kv_cache_scales`
+(paphos/quant/kv_cache.py). Anything else (static or asymmetric activation quantization, sparsity,
+transforms, other KV-cache schemes, other formats) is refused at start-up naming the field and value.
 
 Integer layouts, per linear (codes stored unsigned: q + 2**(bits-1); zero points likewise):
   pack-quantized   weight_packed      int32 [N, K * bits / 32]  codes packed along the input K
@@ -49,6 +53,7 @@ from paphos.quant.int_linear import (
     unpack_along_cols,
     unpack_along_rows,
 )
+from paphos.quant.kv_cache import check_scheme
 from paphos.quant.modules import checkpoint_modules, matches
 
 INT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
@@ -201,6 +206,9 @@ class CompressedTensorsIntConfig(IntQuantConfig):
         self.ignore = ignore
         self.naive = naive
         self.log = IntKernelLog("compressed-tensors")
+        # the checkpoint's validated kv_cache_scheme (paphos/quant/kv_cache.py), set by from_quant_config
+        self.kv_cache_scheme: str | None = None
+        self.kv_cache_scales = False
 
     def scheme_of(self, module: str) -> IntScheme | None:
         if matches(module, self.ignore):
@@ -227,17 +235,37 @@ class CompressedTensorsIntConfig(IntQuantConfig):
         return self.log.summary()
 
 
+class KVCacheOnlyConfig:
+    """A compressed-tensors checkpoint that quantizes only its KV cache (`config_groups` empty,
+    `format: "dense"`): float weights, and the per-layer FP8 KV-cache scales."""
+
+    name = "compressed-tensors"
+    kv_cache_scales = True
+
+    def __init__(self, kv_cache_scheme: str) -> None:
+        self.kv_cache_scheme = kv_cache_scheme
+
+    def get_linear_method(self, prefix: str) -> None:
+        return None
+
+    def summary(self) -> list[str]:
+        return []
+
+
 def from_quant_config(qc: dict[str, Any], tied_embeddings: bool) -> Any:
     """The QuantConfig of a compressed-tensors checkpoint (module docstring). `tied_embeddings`:
     the head is the unquantized embedding, whatever the targets say."""
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for key in ("sparsity_config", "transform_config"):
         if qc.get(key):
             raise QuantConfigError(field_value(key, qc[key], "not supported"))
+    kv_scheme = check_scheme(qc["kv_cache_scheme"]) if qc.get("kv_cache_scheme") else None
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise QuantConfigError(field_value("quantization_status", status, "only compressed checkpoints are supported"))
     groups = qc.get("config_groups") or {}
     if not groups:
+        if kv_scheme is not None and qc.get("format") in (None, "dense"):
+            return KVCacheOnlyConfig(kv_scheme)
         raise QuantConfigError(field_value("config_groups", groups, "at least one quantization scheme is needed"))
     formats = {g.get("format") or qc.get("format") for g in groups.values()}
     if len(formats) != 1:
@@ -254,4 +282,6 @@ def from_quant_config(qc: dict[str, Any], tied_embeddings: bool) -> Any:
         for name, g in groups.items()
     ]
     ignore = [*(qc.get("ignore") or ()), *(["lm_head"] if tied_embeddings else [])]
-    return CompressedTensorsIntConfig(schemes, ignore, naive=fmt in NAIVE_FORMATS)
+    config = CompressedTensorsIntConfig(schemes, ignore, naive=fmt in NAIVE_FORMATS)
+    config.kv_cache_scheme, config.kv_cache_scales = kv_scheme, kv_scheme is not None
+    return config

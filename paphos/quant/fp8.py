@@ -21,6 +21,10 @@ expanded to the rows of their shard at load, so a merged q|k|v or gate|up layer 
 own scale; merged static input scales take the max over the parts (the weight scales being per
 row, that costs nothing but a slightly coarser activation grid for the smaller parts).
 
+A `kv_cache_scheme` (compressed-tensors' FP8 per tensor, AutoFP8's "static") and the per-layer
+`k_scale` / `v_scale` it comes with are the attention layers' business: the config validates it
+and says so (`kv_cache_scales`), paphos/quant/kv_cache.py does the rest.
+
 Tensor parallelism (`-tp N`): the weight slices like a float one (output rows for q|k|v and
 gate|up, input columns for o_proj and down_proj); per-channel scales follow the output rows and
 stay whole in row-parallel layers; per-tensor weight scales (expanded to their shard's rows) and
@@ -62,6 +66,7 @@ from paphos.quant.kernels.fp8_blocks import (
     cublas_blocks_unsupported,
     fp8_block_linear,
 )
+from paphos.quant.kv_cache import check_scheme
 from paphos.quant.modules import checkpoint_modules, matches
 
 logger = logging.getLogger(__name__)
@@ -331,12 +336,17 @@ class Fp8Config:
     after loading."""
 
     def __init__(
-        self, groups: Iterable[_Group], ignore: Iterable[str], from_checkpoint: bool, source: str
-    ) -> None:
+        self, groups: Iterable[_Group], ignore: Iterable[str], from_checkpoint: bool, source: str,
+        kv_cache_scheme: str | None = None, kv_cache_scales: bool = False,
+    ) -> None:  # fmt: skip
         self.groups = tuple(groups)
         self.ignore = tuple(ignore)
         self.from_checkpoint = from_checkpoint
         self.source = source
+        # The checkpoint's validated kv_cache_scheme, and whether its attention layers take
+        # k_scale / v_scale tensors (paphos/quant/kv_cache.py).
+        self.kv_cache_scheme = kv_cache_scheme
+        self.kv_cache_scales = kv_cache_scales
         self.methods: dict[str, Fp8LinearMethod] = {}
 
     # ---------------------------------------------------------------- constructors
@@ -348,11 +358,15 @@ class Fp8Config:
         `ignored_layers`. With `weight_block_size` [rows, cols] (DeepSeek-V3, Qwen3-FP8): a scale
         per block as `weight_scale_inv` (the factor the codes are multiplied by, despite its name)
         and dynamic activations per token and run of `cols` values, DeepSeek's 1 x 128. The
-        output head is never quantized in this format."""
+        output head is never quantized in this format. Attention layers take per-tensor
+        `k_scale` / `v_scale` where the checkpoint has them (as vLLM loads them: AutoFP8 writes
+        them with `kv_cache_scheme: "static"`, a QuantizationArgs mapping is checked as
+        compressed-tensors' is)."""
         if qc.get("quant_method") != "fp8":
             raise QuantConfigError(
                 f"quantization_config.quant_method: {qc.get('quant_method')!r} is not 'fp8'"
             )
+        kv = check_scheme(qc["kv_cache_scheme"], static_string=True) if qc.get("kv_cache_scheme") else None
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise QuantConfigError(f"quantization_config.activation_scheme: {scheme!r} is not supported")
@@ -360,7 +374,7 @@ class Fp8Config:
             raise QuantConfigError(f"quantization_config.fmt: {qc['fmt']!r} is not supported (e4m3)")
         ignore = [*(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()), "lm_head"]
         if qc.get("weight_block_size") is None:
-            return cls([_Group(("Linear",), scheme)], ignore, True, f"fp8 checkpoint, {scheme} activations")
+            return cls([_Group(("Linear",), scheme)], ignore, True, f"fp8 checkpoint, {scheme} activations", kv, True)
         blocks = _blocks("quantization_config.weight_block_size", qc["weight_block_size"], "weight_scale_inv")
         if scheme != "dynamic":
             raise QuantConfigError(
@@ -371,28 +385,26 @@ class Fp8Config:
             raise QuantConfigError(f"quantization_config.scale_fmt: {qc['scale_fmt']!r} is not supported (float32)")
         group = _Group(("Linear",), "group", blocks, blocks.cols)
         return cls([group], ignore, True, f"fp8 checkpoint, {blocks.rows}x{blocks.cols} weight blocks, dynamic "
-                   f"activations per {blocks.cols} values")  # fmt: skip
+                   f"activations per {blocks.cols} values", kv, True)  # fmt: skip
 
     @classmethod
     def from_compressed_tensors(cls, qc: Mapping[str, Any], *, tied_embeddings: bool = False) -> Fp8Config:
         """compressed-tensors `format: "float-quantized"` (llm-compressor FP8, FP8_DYNAMIC and
         weight-only FP8): every config group must be 8-bit float weights per channel or per tensor,
-        with activations dynamic per token, static per tensor or absent. `tied_embeddings`: the
-        head is the (unquantized) embedding, whatever the targets say."""
+        with activations dynamic per token, static per tensor or absent; a `kv_cache_scheme` must
+        be FP8 per tensor, static (the attention layers then take `k_scale` / `v_scale`).
+        `tied_embeddings`: the head is the (unquantized) embedding, whatever the targets say."""
         if qc.get("format") != "float-quantized":
             raise QuantConfigError(
                 f"quantization_config.format: {qc.get('format')!r} is not 'float-quantized' (FP8)"
             )
-        if qc.get("kv_cache_scheme") is not None:
-            raise QuantConfigError(
-                f"quantization_config.kv_cache_scheme: {qc['kv_cache_scheme']!r} is not supported"
-            )
+        kv = check_scheme(qc["kv_cache_scheme"]) if qc.get("kv_cache_scheme") else None
         groups = [_compressed_tensors_group(name, g) for name, g in (qc.get("config_groups") or {}).items()]
         if not groups:
             raise QuantConfigError("quantization_config.config_groups: no FP8 group")
         ignore = [*(qc.get("ignore") or ()), *(["lm_head"] if tied_embeddings else [])]
         kinds = "/".join(sorted({g.activation for g in groups}))
-        return cls(groups, ignore, True, f"compressed-tensors float-quantized, {kinds} activations")
+        return cls(groups, ignore, True, f"compressed-tensors float-quantized, {kinds} activations", kv, kv is not None)
 
     @classmethod
     def runtime(cls) -> Fp8Config:

@@ -30,6 +30,7 @@ from paphos.lora.host_cache import AdapterHostCache
 from paphos.lora.slots import AdapterSlots, rank_slices
 from paphos.lora.spec import LoRAModelSpec, lora_model_spec
 from paphos.models.registry import resolve_model_class
+from paphos.quant import kv_cache as quant_kv
 from paphos.quant.gguf.kernels import INT8_GROUPS_ON_CPU
 from paphos.quant.kernels import compiled_dequant
 from paphos.quant.registry import select_quant_config
@@ -168,6 +169,9 @@ def _build(
         member.barrier()  # every rank loaded: the profiling pass's collectives meet at once
     for line in getattr(quant_config, "summary", list)():
         logger.info("%s", line)
+    kv_line = quant_kv.startup_line(model, quant_config, kv_dtype)
+    if kv_line is not None:
+        (logger.warning if kv_line[1] else logger.info)("%s", kv_line[0])
     adapter_slots = _attach_lora(model, config, dtype, device, member) if config.lora.enable_lora else None
 
     kv_spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)

@@ -49,6 +49,8 @@ LAYER0_LINEARS = tuple(
               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# A quantized KV cache's per-layer scales (llm-compressor's kv_cache_scheme).
+KV_CACHE_SCALES = (".self_attn.k_scale", ".self_attn.v_scale")
 # GPTQModel's per-module quantization log, written beside the checkpoint but not part of it.
 DROPPED_FILES = ("quant_log.csv",)
 # A broken quantizer (wrong layer, wrong packing) lands far above this; 4-bit g128 RTN is ~0.1.
@@ -155,7 +157,10 @@ def dense_model(ckpt: Path, dequant: dict[str, torch.Tensor]) -> torch.nn.Module
         state[name] = source.float()
     model.load_state_dict(state, strict=True)
     quantized = {n.removesuffix(".weight") for n in dequant}
-    unused = [n for n in stored if n not in state and n.rsplit(".", 1)[0] not in quantized]
+    # KV-cache scales: this model has no KV-cache quantization (a fixture with them takes the
+    # tool's own forward, which applies them, as its reference_forward).
+    unused = [n for n in stored if n not in state and n.rsplit(".", 1)[0] not in quantized
+              and not n.endswith(KV_CACHE_SCALES)]  # fmt: skip
     if unused:
         raise ValueError(f"{ckpt.name}: checkpoint tensors not used by the reference model: {unused}")
     return model

@@ -1,4 +1,5 @@
-"""compressed-tensors fixtures (pack-quantized W4A16/W8A16, AWQ, FP8 dynamic/static, naive W8A8)
+"""compressed-tensors fixtures (pack-quantized W4A16/W8A16, AWQ, FP8 dynamic/static, FP8 dynamic with
+an FP8 KV cache's scales, naive W8A8)
 made by llm-compressor 0.14.0.1 with compressed-tensors 0.19 on CPU, and the GPTQ act-order one by
 llm-compressor 0.13.0 (compressed-tensors 0.18); runs in those venvs (see
 scripts/make_quant_fixtures.py).
@@ -174,6 +175,15 @@ def _fp8_block_64():
     return [QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
 
 
+def _fp8_dynamic_kv():
+    """FP8_DYNAMIC weights with an FP8 KV cache: static per-tensor k/v scales calibrated per layer
+    (the "-FP8-KV" recipes), written as model.layers.N.self_attn.k_scale / v_scale."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    kv = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"], kv_cache_scheme=kv)]
+
+
 def _gptq_group_actorder():
     from llmcompressor.modifiers.quantization import GPTQModifier
 
@@ -209,6 +219,11 @@ def _fixtures() -> dict:
             "AWQ smoothing is folded into the checkpoint's RMSNorm weights (and v_proj->o_proj, up->down)."]),
         "ct-fp8-dynamic": ct(lambda: _preset("FP8_DYNAMIC"), activations=True),
         "ct-fp8-static": ct(lambda: _preset("FP8"), calibrate=True, activations=True),
+        # The tool's forward fake-quantizes K (after RoPE) and V through each layer's scales, so
+        # its fp32 forward is the reference of a model run with an fp8 KV cache.
+        "ct-fp8-dynamic-kv": ct(_fp8_dynamic_kv, calibrate=True, activations=True, notes=[
+            "kv_cache_scheme fp8 per tensor, static: the tool's forward (and so dequant_logits, greedy and "
+            "tool_logits) rounds K and V through the layer's k_scale / v_scale, as an fp8 KV cache does."]),
         # FP8_BLOCK's layout (weight blocks, activations dynamic per token and group) in blocks of
         # 64: the preset's 128 x 128 quantizes, but the tool's forward cannot take groups of 128
         # over K=320 (down_proj).

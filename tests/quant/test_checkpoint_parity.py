@@ -11,6 +11,11 @@ holds the checkpoints as the tools saved them, tests/quant/data/references/ thei
   tool's fp32 reference is, so the distance that remains is the tool's arithmetic, not ours;
 - a mixed batch (different samplers, a shared prefix, preemption) gives each request what it
   gets alone.
+
+A checkpoint with FP8 KV-cache scales (`ct-fp8-dynamic-kv`) runs these at the model level with
+an fp8 cache: the tool's forward rounds K and V through the scales, and the engine's CPU caches
+are float (fp8 caches need the Triton backend); its greedy continuation is checked step by step
+through the model instead (tests/quant/test_kv_cache_scales.py has the rest).
 """
 
 from __future__ import annotations
@@ -40,7 +45,13 @@ FIXTURES = (
     "gptq-4b-g128-sym-lmhead", "awq-gemm-4b-g64", "awq-gemm-4b-g64-autoawq", "ct-w4a16-sym-g64",
     "ct-w4a16-asym-g64", "ct-w8a16-channel", "ct-w4a16-gptq-actorder-group", "ct-awq-asym-g64",
     "ct-fp8-dynamic", "ct-fp8-static", "ct-fp8-block", "ct-naive-w8a8", "exl2-4.0bpw-h6", "exl2-6.0bpw-h8",
+    "ct-fp8-dynamic-kv",
 )  # fmt: skip
+# The KV cache each fixture's reference implies: float32, except where the tool's forward rounds
+# K and V through the checkpoint's KV-cache scales.
+KV_CACHE_DTYPE = {"ct-fp8-dynamic-kv": torch.float8_e4m3fn}
+# The engine runs float caches on the CPU: the fixtures whose reference it can reach.
+ENGINE_FIXTURES = tuple(name for name in FIXTURES if name not in KV_CACHE_DTYPE)
 LOGIT_TOL = 1e-4
 LINEARS = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -78,10 +89,15 @@ def dense_weight(layer: torch.nn.Module) -> torch.Tensor:
     return weight if weight is not None else layer.weight
 
 
-def logits(model: torch.nn.Module, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+def logits(
+    model: torch.nn.Module, ids: torch.Tensor, chunks: list[int], cache_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """[prompts, tokens, vocab] computed in the given chunks of every prompt per step."""
     blocks = len(ids) * (-(-ids.shape[1] // paged.BLOCK)) + 1
-    caches = [torch.zeros(model.kv_cache_shape_per_layer(blocks, paged.BLOCK)) for _ in range(model.num_layers)]
+    caches = [
+        torch.zeros(model.kv_cache_shape_per_layer(blocks, paged.BLOCK), dtype=cache_dtype)
+        for _ in range(model.num_layers)
+    ]
     old = paged.NUM_BLOCKS
     paged.NUM_BLOCKS = blocks
     try:
@@ -110,20 +126,38 @@ def test_every_layout_dequantizes_as_the_tool_does(case) -> None:  # noqa: ANN00
 def test_logits_match_the_tools_reference(case) -> None:  # noqa: ANN001
     name, model, ref, _ = case
     ids = ref["input_ids"]
-    got = logits(model, ids, [5, 11])  # chunked prefill: 5 tokens, then 11
+    got = logits(model, ids, [5, 11], KV_CACHE_DTYPE.get(name, torch.float32))  # chunked prefill: 5, then 11
     worst = (got - ref["dequant_logits"]).abs().max().item()
     assert worst <= LOGIT_TOL, f"{name}: max |dlogit| {worst:.2e} vs the tool's fp32 reference"
 
 
 def test_as_close_to_the_tools_own_kernels_as_its_reference_is(case) -> None:  # noqa: ANN001
     name, model, ref, metadata = case
-    got = logits(model, ref["input_ids"], [16])
+    got = logits(model, ref["input_ids"], [16], KV_CACHE_DTYPE.get(name, torch.float32))
     theirs = (ref["dequant_logits"] - ref["tool_logits"]).abs().max().item()
     ours = (got - ref["tool_logits"]).abs().max().item()
     assert ours <= theirs + LOGIT_TOL, f"{name}: {ours:.3g} from {metadata.get('tool_logits')}, reference {theirs:.3g}"
 
 
-@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("name", list(KV_CACHE_DTYPE))
+def test_greedy_continuations_through_an_fp8_cache_match_the_reference(name: str) -> None:
+    """The reference's 32 greedy tokens fed back one decode step at a time (the prompts
+    prefilled in chunks of 5 and 11): every step whose reference margin exceeds 0.25 picks the
+    reference's next token. Not every step: the checkpoint rounds activations to FP8 per token,
+    so the last-bit differences between a decode step's attention and a whole prompt's may move
+    one rounding by a step, and with it the logits (measured: up to 0.2 in one sequence from
+    its first decode step on, through 25 K/V values of layer 1 rounded differently; the same
+    tokens in one chunk give the tool's logits exactly)."""
+    ref, _ = reference(name)
+    model = build(checkpoint(name))
+    seqs = torch.cat([ref["input_ids"], ref["greedy"]], dim=1)
+    got = logits(model, seqs[:, :-1], [5, 11] + [1] * (seqs.shape[1] - 17), KV_CACHE_DTYPE[name])
+    clear = ref["greedy_margin"] > 0.25
+    assert clear.sum() >= 200  # of 256 steps
+    assert torch.equal(got[:, 15:].argmax(-1)[clear], ref["greedy"][clear])
+
+
+@pytest.mark.parametrize("name", ENGINE_FIXTURES)
 def test_engine_greedy_continuations_match_the_reference(name: str) -> None:
     ref, _ = reference(name)
     llm = LLM(str(checkpoint(name)), dtype="float32", max_model_len=128, block_size=4)
