@@ -157,7 +157,7 @@ def add_rmsnorm(
     (x_int8_outputs.prepare: attached to it), each row's over columns of NORM_CHUNK (`chunk`
     overrides it) in programs of their own. x [T, heads, D] is normalised per head (every head a
     row: Qwen3's q and k norms); its results have x's shape."""
-    shape = x.shape
+    shape, launch = x.shape, pdl.options(x)  # PDL by the step's tokens, not its heads
     x = x.reshape(-1, shape[-1]).contiguous()
     rows, cols = x.shape
     out = torch.empty_like(x)
@@ -175,7 +175,7 @@ def add_rmsnorm(
             x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
             *parts.args, rows, cols, eps, x.stride(0), (residual if residual is not None else x).stride(0),
             out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, CHUNK=chunk, **parts.constexprs,
-            **pdl.options(x),
+            **launch,
         )  # fmt: skip
     if len(shape) == 2:
         return out, res_out  # the very tensors the int8 parts are attached to (views carry none)

@@ -129,7 +129,7 @@ def cublas_blocks_unsupported(
     if capability[0] != 9:
         return f"cuBLAS's block-wise FP8 scaling runs on compute capability 9.x, not {capability[0]}.{capability[1]}"
     if n % 16 or k % 16 or -(-k // CUBLAS_BLOCK) % 4:
-        return f"a {n} x {k} layer (cuBLAS needs N and K multiples of 16 and of 512 for K)"
+        return f"a {n} x {k} layer (cuBLAS needs N and K multiples of 16 and K's 128-wide blocks in fours)"
     return _probe_cublas(device.index if device.index is not None else torch.cuda.current_device(), out_dtype)
 
 
