@@ -27,6 +27,17 @@ def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
         return hf(ids[None]).logits[0].float()
 
 
+def assert_schedule_matches_hf(
+    model, caches, hf, vocab_size: int, lengths: list[int], steps: list[list[int]], seed: int, tol: float
+) -> None:
+    """Random sequences of `lengths` tokens (drawn in turn from `seed`) run as `steps`
+    (`run_schedule`); every computed position's logits within `tol` of HF's over the whole sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+    for seq, out in zip(seqs, run_schedule(model, caches, seqs, steps), strict=True):
+        torch.testing.assert_close(out, hf_logits(hf, seq), rtol=0, atol=tol)
+
+
 def run_schedule(model, caches, seqs: list[torch.Tensor], steps: list[list[int]]) -> list[torch.Tensor]:
     """Drive the model like a runner would: steps[s][i] tokens of sequence i are computed in step
     s (0 = not scheduled). Returns, per sequence, the logits of every computed position."""

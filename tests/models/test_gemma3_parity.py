@@ -24,7 +24,14 @@ from paphos.models.registry import resolve_model_class
 from paphos.sampling_params import SamplingParams
 from tests.engine.conftest import _write_tokenizer
 from tests.engine.test_hf_parity import LogitRecorder, hf_greedy, run_engine
-from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule, scramble_weights
+from tests.models.paged import (
+    BLOCK,
+    NUM_BLOCKS,
+    assert_schedule_matches_hf,
+    hf_logits,
+    run_schedule,
+    scramble_weights,
+)
 
 TOL = 1e-4
 WINDOW = 6
@@ -68,14 +75,9 @@ def test_prompt_chunks_then_decode_match_hf() -> None:
     model.load_weights(hf.state_dict().items())
     assert model.sliding_windows == [WINDOW] * 5 + [None, WINDOW]
     caches = [torch.zeros(model.kv_cache_shape_per_layer(NUM_BLOCKS, BLOCK)) for _ in range(model.num_layers)]
-    gen = torch.Generator().manual_seed(2)
-    a = torch.randint(0, cfg.vocab_size, (23,), generator=gen)
-    b = torch.randint(0, cfg.vocab_size, (14,), generator=gen)
     # Prompts longer than the window, chunked (a: 9 + 7 + 4, b: 5 + 9), then decoded together.
     steps = [[9, 5], [7, 9], [4, 0], [1, 0], [1, 0], [1, 0]]
-    out_a, out_b = run_schedule(model, caches, [a, b], steps)
-    torch.testing.assert_close(out_a, hf_logits(hf, a), rtol=0, atol=TOL)
-    torch.testing.assert_close(out_b, hf_logits(hf, b), rtol=0, atol=TOL)
+    assert_schedule_matches_hf(model, caches, hf, cfg.vocab_size, [23, 14], steps, seed=2, tol=TOL)
 
 
 def test_engine_with_chunked_prefill_matches_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

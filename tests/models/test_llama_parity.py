@@ -15,7 +15,14 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.models.registry import resolve_model_class
-from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule, scramble_weights
+from tests.models.paged import (
+    BLOCK,
+    NUM_BLOCKS,
+    assert_schedule_matches_hf,
+    hf_logits,
+    run_schedule,
+    scramble_weights,
+)
 
 TOL = 1e-4
 SMALL = dict(
@@ -94,15 +101,10 @@ def test_prompt_then_decode_matches_hf(name: str) -> None:
 def test_two_sequences_chunked_and_mixed_batches(name: str) -> None:
     cfg, hf = make_hf(name)
     model, caches = make_ours(cfg, hf)
-    gen = torch.Generator().manual_seed(3)
-    a = torch.randint(0, cfg.vocab_size, (12,), generator=gen)
-    b = torch.randint(0, cfg.vocab_size, (17,), generator=gen)
-    # step 0: both prompts start (b chunked); step 1: a decodes while b's chunk continues;
-    # then both decode in the same flat batch; a finishes first.
+    # step 0: both prompts start (b, 17 tokens, chunked); step 1: a (12) decodes while b's chunk
+    # continues; then both decode in the same flat batch; a finishes first.
     steps = [[9, 6], [1, 7], [1, 1], [1, 1], [0, 1], [0, 1]]
-    out_a, out_b = run_schedule(model, caches, [a, b], steps)
-    torch.testing.assert_close(out_a, hf_logits(hf, a), rtol=0, atol=TOL)
-    torch.testing.assert_close(out_b, hf_logits(hf, b), rtol=0, atol=TOL)
+    assert_schedule_matches_hf(model, caches, hf, cfg.vocab_size, [12, 17], steps, seed=3, tol=TOL)
 
 
 def test_bfloat16_close_to_hf() -> None:

@@ -18,7 +18,14 @@ from transformers import Qwen3ForCausalLM as HFQwen3
 from paphos.attention.torch_ref import TorchReferenceBackend
 from paphos.models.qwen3 import Qwen3ForCausalLM
 from paphos.models.registry import resolve_model_class
-from tests.models.paged import BLOCK, NUM_BLOCKS, hf_logits, run_schedule, scramble_weights
+from tests.models.paged import (
+    BLOCK,
+    NUM_BLOCKS,
+    assert_schedule_matches_hf,
+    hf_logits,
+    run_schedule,
+    scramble_weights,
+)
 
 TOL = 1e-4
 WINDOW = 5
@@ -62,15 +69,10 @@ def test_chunked_prompts_and_decode_rows_match_hf(variant: str) -> None:
     attn = model.model.layers[0].self_attn
     assert attn.qkv_proj.weight.shape == ((4 + 2 * 2) * 32, 64) and attn.q_norm.weight.shape == (32,)
     assert model.sliding_windows == ([None, WINDOW] if variant == "window" else [None, None])
-    gen = torch.Generator().manual_seed(2)
-    a = torch.randint(0, cfg.vocab_size, (23,), generator=gen)
-    b = torch.randint(0, cfg.vocab_size, (16,), generator=gen)
-    # a: chunks of 9 + 7 + 4, then decode rows; b: 5 + 9, a decode row beside a's last chunk, then
-    # one beside a's decode row in the same flat batch.
+    # a (23 tokens): chunks of 9 + 7 + 4, then decode rows; b (16): 5 + 9, a decode row beside a's
+    # last chunk, then one beside a's decode row in the same flat batch.
     steps = [[9, 5], [7, 9], [4, 1], [1, 1], [1, 0], [1, 0]]
-    out_a, out_b = run_schedule(model, caches, [a, b], steps)
-    torch.testing.assert_close(out_a, hf_logits(hf, a), rtol=0, atol=TOL)
-    torch.testing.assert_close(out_b, hf_logits(hf, b), rtol=0, atol=TOL)
+    assert_schedule_matches_hf(model, caches, hf, cfg.vocab_size, [23, 16], steps, seed=2, tol=TOL)
 
 
 def test_bfloat16_close_to_hf() -> None:
