@@ -72,7 +72,7 @@ def count(name: str, rows: int, warps: int) -> dict[str, object]:
     args = COMMON | planes | {arg: "i32" for arg in ints}
     constexprs = constexprs | dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True)
     if kernel is ti8._q4_k_kernel:  # the scale reads the engine launches at 16 tokens
-        constexprs["SCALE_WORDS"] = ti8.scale_words(name, 16)
+        constexprs["SCALE_WORDS"] = ti8.scale_words(name, ti8.I8Config(block_m=16))
     stages = triton_int_i8.I8Config().num_stages  # both int8 kernels launch with it
     out = compile_sm90(kernel, args, constexprs, warps, ints, stages, sass=True)
     body = main_loop(out)

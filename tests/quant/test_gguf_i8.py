@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from collections.abc import Iterator
@@ -114,13 +115,30 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
     cases = ((2, ti8.I8Config(32, 16, 1, 2)), (9, ti8.I8Config(16, 16, 2, 1)), (16, ti8.I8Config(64, 16, 2)),
-             (29, ti8.I8Config(16, 16, 2)), (29, ti8.I8Config(32, 32, 2)))  # two token tiles, one  # fmt: skip
+             (29, ti8.I8Config(16, 16, 2)), (29, ti8.I8Config(32, 32, 2)),  # two token tiles, one
+             # stream-K: runs inside tiles and across them, one tile shared by up to four programs
+             (9, ti8.I8Config(16, 16, stream_programs=7)), (29, ti8.I8Config(16, 16, stream_programs=5)),
+             (29, ti8.I8Config(32, 32, stream_programs=3)))  # fmt: skip
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
         ti8.matmul_into(out, ti8.quantize_x(x), seg, cfg)
         assert _rel(out, planes.reference_matmul(raw, type_name, x)) < 1e-4, (m, cfg)
         assert not counters.any()  # every split tile's counter is back to zero
+
+
+def test_the_rule_streams_q4_k_where_it_measured_faster() -> None:
+    """Stream-K for Q4_K's 16-token tiles where each program runs four super-blocks or more (a
+    Llama-3-8B layer's q|k, gate|up and down); o (3.9 a program), Q5_K and 32-token tiles keep the
+    split launch."""
+    from paphos.quant.gguf.triton_gguf_i8 import i8_config
+
+    streamed = {(n, k) for n, k in ((5120, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+                if i8_config("Q4_K", n, k, 16).stream_programs}  # fmt: skip
+    assert streamed == {(5120, 4096), (28672, 4096), (4096, 14336)}
+    assert i8_config("Q4_K", 28672, 4096, 16).stream_programs == 2 * split_k.NUM_SMS_GUESS
+    assert not i8_config("Q5_K", 28672, 4096, 16).stream_programs
+    assert not i8_config("Q4_K", 28672, 4096, 32).stream_programs
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -189,22 +207,30 @@ def test_gguf_i8_kernel_compiles_for_sm90(triton_path: Path | None) -> None:
     check_compiles_in_child("tests.quant.test_gguf_i8", CASES, triton_path)
 
 
-def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", tokens: int = 16) -> None:
+def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", tokens: int = 16,
+          stream: bool = False) -> None:  # fmt: skip
     """Q4_K (or Q5_K): the launch `i8_config` picks at `tokens` for a [rows, k] weight (or a
-    32-row mma.sync program)."""
+    32-row mma.sync program; or its tiles by stream-K)."""
     from paphos.quant.gguf import triton_gguf_i8 as ti8
 
     cfg = ti8.i8_config(type_name, rows, k, tokens)
     if mma_sync:
         cfg = ti8.I8Config(32, 16, cfg.split_k, 2, 3)
+    if stream:
+        cfg = dataclasses.replace(cfg, stream_programs=3 * 132)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
             "w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i64", "sd_ptr": "*fp16", "mn_ptr": "*i64",
             "smin_ptr": "*fp16"}  # fmt: skip
-    ints = dict(M=tokens, N=rows, K=k, stride_om=rows, iters_per_split=k // 256 // cfg.split_k)
+    ints = dict(M=tokens, N=rows, K=k, stride_om=rows)
+    constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, ASM=True, PDL=True,
+                      SCALE_WORDS=ti8.scale_words(type_name, cfg))  # fmt: skip
+    if not stream:
+        ints["iters_per_split"] = k // 256 // cfg.split_k
+        constexprs["SPLIT"] = cfg.split_k > 1
     args |= {name: "i32" for name in ints}
-    constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True,
-                      PDL=True, SCALE_WORDS=ti8.scale_words(type_name, cfg.block_m))  # fmt: skip
-    ptx = compile_sm90(ti8._q4_k_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
+    kernel = ti8._q4_k_stream_kernel if stream else ti8._q4_k_kernel
+    ptx = compile_sm90(kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, ttgir=True)
+    assert "cp.async" in ptx  # the weights' loads software-pipelined (in stream-K's inner loop too)
     # `_scale_halves`, `_as_int8` (and Q5_K's `_fifth_bits`) take four codes by the first one's
     # scale: their operands must be in the dot's operand layout with 4, 8 or 16 consecutive K
     # values of a row per register
@@ -221,7 +247,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
     # Q4_K in 32-token tiles: the sub-block scales and minima reach the operand layout without a
     # byte-wide shared load each (`_sub_block_bytes`); 16-token tiles and Q5_K's fifth bits take them
-    if type_name == "Q4_K" and ti8.scale_words(type_name, cfg.block_m):
+    if type_name == "Q4_K" and ti8.scale_words(type_name, cfg):
         assert not re.search(r"ld\.shared(\.v\d)?\.[bus]8", ptx)
 
 
@@ -229,6 +255,8 @@ CASES = {
     "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
     "q5_k-gate_up": (_gemm, 28672, 4096, False, "Q5_K"), "q5_k-down": (_gemm, 4096, 14336, False, "Q5_K"),
     "32-tokens-gate_up": (_gemm, 28672, 4096, False, "Q4_K", 32), "32-tokens-o": (_gemm, 4096, 4096, False, "Q4_K", 32),
+    "stream-gate_up": (_gemm, 28672, 4096, False, "Q4_K", 16, True),
+    "stream-q5_k-down": (_gemm, 4096, 14336, False, "Q5_K", 16, True),
 }  # fmt: skip
 
 

@@ -1,8 +1,10 @@
 """split_k.slices: how the split-K launches (triton_int, triton_int_i8, triton_gguf_i8, fp8,
-triton_exl2) cut their K steps; the kernels' own tests run both cuts end to end."""
+triton_exl2) cut their K steps; split_k.stream: how a stream-K launch (triton_gguf_i8) is sized.
+The kernels' own tests run every cut end to end."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from paphos.quant.kernels import split_k
@@ -25,3 +27,16 @@ def test_no_split_runs_one_slice_over_every_step() -> None:
     ):
         assert (cut.per, cut.count, cut.split) == (10, 1, False)
         assert cut.counters is cut.partials and cut.partials.shape[0] == 1
+
+
+def test_stream_k_runs_two_steps_a_program_at_least() -> None:
+    run = split_k.stream(tiles=3, steps=8, programs=100, m=3, n=48, device=CPU)
+    assert run.programs == 12  # 24 steps, two a program
+    # a tile's 8 steps over runs of 2: 4 programs, or 5 where runs straddle its ends
+    assert run.partials.shape == (5, 3, 48) and run.counters is split_k.counters(CPU)
+    assert split_k.stream(tiles=448, steps=16, programs=264, m=16, n=28672, device=CPU).programs == 264
+
+
+def test_stream_k_refuses_runs_past_int32() -> None:
+    with pytest.raises(ValueError, match="too large"):
+        split_k.stream(tiles=1 << 15, steps=64, programs=1 << 10, m=1, n=1, device=CPU)

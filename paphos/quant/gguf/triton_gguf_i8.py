@@ -23,6 +23,13 @@ the code order), one where x's producer wrote the parts (`x_layout`, paphos/laye
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
 multiple of 256.
 
+Q4_K's 16-token tiles run by stream-K (`_q4_k_stream_kernel`, split_k.py) where `i8_config` says
+so: 2 programs per SM (two of the kernel's 221-244 registers a thread fill a multiprocessor) take
+equal runs of the tiles' super-blocks laid end to end, so gate|up's 448 tiles no longer leave a
+second, partial wave and q|k's 80 fill the GPU; H100, 16 tokens: q|k 19.2 -> 17.5 us, gate|up
+55.9 -> 50.5, down 32.7 -> 29.1, the four with o (kept split: 3.9 super-blocks a program lost,
+14.6 -> 16.2) 122.4 -> 111.7 us (benchmarks/README.md, "Stream-K for the int8 tensor-core GEMMs").
+
 Measured (benchmarks/bench_gguf_gpu.py `i8`, 16 tokens, Llama-3-8B shapes, CUDA-graph replays,
 weights from memory, x's launch included), on an H100, us: Q4_K q|k 18.7 (the fused kernel 37.4,
 cuBLAS bf16 16.9), o 14.0 (31.0, 16.6), gate|up 54.7 (178.4, 83.4), down 31.4 (87.7, 45.0): a
@@ -190,26 +197,22 @@ if triton is not None:
         return tl.load(ptr + rows.to(tl.int64) * per_row + at, mask=row_ok, other=0)
 
     @triton.jit
-    def _q4_k_kernel(
-        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
-        M, N, K, stride_om, iters_per_split,
-        FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
+    def _q4_k_tile(
+        q_ptr, dx_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, M, N, K, pid_n, pid_m, it0, it1,
+        FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, SCALE_WORDS: tl.constexpr,
     ):  # fmt: skip
-        """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
-        per program along grid axis 2 (module docstring). w_ptr: the low code plane as bytes; with
-        FIVE (Q5_K) hi_ptr: the fifth-bit plane as bytes (unread otherwise); sc_ptr, mn_ptr: the
-        6-bit scales and minima, eight bytes a row and super-block, read as one int64 with
+        """float32 out^T [BN rows, BM tokens] of tile (pid_n, pid_m) over super-blocks it0 .. it1
+        (module docstring), and the tile's rows, row_ok, ms, m_ok. w_ptr: the low code plane as
+        bytes; with FIVE (Q5_K) hi_ptr: the fifth-bit plane as bytes (unread otherwise); sc_ptr,
+        mn_ptr: the 6-bit scales and minima, eight bytes a row and super-block, read as one int64 with
         SCALE_WORDS (`_sub_block_bytes`; where it measured faster on an H100: Q4_K in 32-token
         tiles, a Q4_K_M layer's four 158.6 -> 137.3 us, and Q5_K, gate|up 75.4 -> 66.9 at 16
         tokens) and as a [BN, 8] byte tile otherwise (Q4_K at 16 tokens, where the int64 reads
         measured 118.6 -> 124.5: fewer registers let three programs share a multiprocessor,
         and gate|up's 448 lost)."""
-        pdl.release(PDL)
-        pdl.wait(PDL)
         n_blocks = K // 256
-        rows, row_ok, ms, m_ok, first, tok, tok_ok, it0, it1 = x_blocks.program_tile(
-            tl.program_id(1), tl.program_id(0), tl.program_id(2), N, M, n_blocks, iters_per_split, BN, BM
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, _, _ = x_blocks.program_tile(
+            pid_n, pid_m, 0, N, M, n_blocks, n_blocks, BN, BM
         )
         x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 128)
         x_ok = tok_ok[None, :]
@@ -249,13 +252,68 @@ if triton is not None:
                 lo_5, hi_5 = _fifth_bits(bits, sc_k, ASM)
                 d_sc += 16 * tl.dot(hi_5, x_hi, tl.dot(lo_5, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             acc += (d_sc.to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
-        split_k.store_tile(x_blocks.sum_parts(acc, BN, BM), out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
-                           N, stride_om, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
+        return x_blocks.sum_parts(acc, BN, BM), rows, row_ok, ms, m_ok
+
+    @triton.jit
+    def _q4_k_kernel(
+        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
+        M, N, K, stride_om, iters_per_split,
+        FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+        PDL: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
+    ):  # fmt: skip
+        """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
+        per program along grid axis 2 (`_q4_k_tile`)."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        it0 = tl.program_id(2) * iters_per_split
+        it1 = tl.minimum(it0 + iters_per_split, K // 256)
+        acc, rows, row_ok, ms, m_ok = _q4_k_tile(
+            q_ptr, dx_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, M, N, K, tl.program_id(1), tl.program_id(0),
+            it0, it1, FIVE, BN, BM, ASM, SCALE_WORDS,
+        )  # fmt: skip
+        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
+                           tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
                            tl.num_programs(2), SPLIT, ASM)  # fmt: skip
+
+    @triton.jit
+    def _q4_k_stream_kernel(
+        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
+        M, N, K, stride_om,
+        FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        SCALE_WORDS: tl.constexpr = False,
+    ):  # fmt: skip
+        """`_q4_k_kernel`'s product by stream-K (split_k.py): tile t = pid_n * tiles_m + pid_m (a
+        weight tile's token tiles one after another, the later ones reading it from L2) holds
+        super-blocks t * n_blocks .. of the run laid end to end."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        n_blocks = K // 256
+        tiles_m = tl.cdiv(M, BM)
+        total = tl.cdiv(N, BN) * tiles_m * n_blocks
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+        at = program * total // programs
+        end = (program + 1) * total // programs
+        while at < end:
+            tile = at // n_blocks
+            it0 = at - tile * n_blocks
+            it1 = tl.minimum(n_blocks, it0 + end - at)
+            acc, rows, row_ok, ms, m_ok = _q4_k_tile(
+                q_ptr, dx_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, M, N, K, tile // tiles_m,
+                tile % tiles_m, it0, it1, FIVE, BN, BM, ASM, SCALE_WORDS,
+            )  # fmt: skip
+            slice_id, sharing = split_k.stream_contributors(tile, n_blocks, program, programs, total)
+            split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, tile,
+                               slice_id, sharing, True, ASM)  # fmt: skip
+            at += it1 - it0
 
 # ---------------------------------------------------------------------------- launches
 
 
+# stream-K launches of Q4_K's 16-token tiles (`i8_config`): two programs of 221-244 registers fill a
+# multiprocessor's register file, and a shorter run than four super-blocks a program lost to the split
+STREAM_PER_SM = 2
+STREAM_MIN_RUN = 4
 # (type, N, K, tokens per program) -> a launch measured better than `i8_config`'s, filled by
 # benchmarks/bench_gguf_gpu.py's `i8` sweep (the engine sections after it use them)
 TUNED_CONFIGS: dict[tuple[str, int, int, int], I8Config] = {}
@@ -265,10 +323,14 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     """The launch at M tokens: 16 per program, Q4_K 32 above 16 tokens (each weight decoded once
     for twice the tokens: 158.8 us for a Q4_K_M layer's Q4_K linears at 32 tokens, H100; Q5_K
     spills at 32), the token tiles side by side in the grid so the next reads the weights from L2;
-    64 rows, 3 stages, K split while the grid stays within `programs_per_sm` programs per
-    multiprocessor and each slice keeps two super-blocks (q|k 2 slices, o and down 4), 4 warps (wgmma: the H100 and H200 sweeps' winners; 32 rows on 2
-    warps with mma.sync came 1.0-1.4x slower, 16 rows on 1 warp level on gate|up and 1.05-1.4x
-    slower elsewhere). A per-shape entry of TUNED_CONFIGS wins."""
+    64 rows, 3 stages, 4 warps (wgmma: the H100 and H200 sweeps' winners; 32 rows on 2 warps with
+    mma.sync came 1.0-1.4x slower, 16 rows on 1 warp level on gate|up and 1.05-1.4x slower
+    elsewhere). Q4_K in 16-token tiles by stream-K over STREAM_PER_SM programs per multiprocessor
+    where each program's run is STREAM_MIN_RUN super-blocks or more (H100, 16 tokens: q|k 19.2 ->
+    17.5 us, gate|up 55.9 -> 50.5, down 32.7 -> 29.1; o, 3.9 super-blocks a run, 14.6 -> 16.2
+    stays split; Q5_K's gate|up 69.5 -> 71.0 stays split); otherwise K split while the grid stays
+    within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks (q|k
+    2 slices, o and down 4). A per-shape entry of TUNED_CONFIGS wins."""
     bm = 32 if type_name == "Q4_K" and m > 16 else 16
     tuned = TUNED_CONFIGS.get((type_name, rows, k, bm))
     if tuned is not None:
@@ -276,15 +338,19 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     block_n = 64
     tiles = math.ceil(rows / block_n) * math.ceil(m / bm)
     blocks, split = k // XB, 1
+    stream = STREAM_PER_SM * split_k.NUM_SMS_GUESS
+    if type_name == "Q4_K" and bm == 16 and tiles * blocks >= STREAM_MIN_RUN * stream:
+        return I8Config(block_n, bm, stream_programs=stream)
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
     return I8Config(block_n, bm, split)
 
 
-def scale_words(type_name: str, block_m: int) -> bool:
+def scale_words(type_name: str, cfg: I8Config) -> bool:
     """Whether `_q4_k_kernel` reads the sub-block scales and minima as one int64 a row
-    (`SCALE_WORDS`): where that measured faster on an H100, Q5_K and 32-token tiles."""
-    return type_name == "Q5_K" or block_m > 16
+    (`SCALE_WORDS`): where that measured faster on an H100, Q5_K and 32-token tiles; and by
+    stream-K, whose loop over tiles would spill the byte tile's registers."""
+    return type_name == "Q5_K" or cfg.block_m > 16 or cfg.stream_programs > 0
 
 
 def x_layout(max_tokens: int = 0) -> BlockLayout:
@@ -310,15 +376,22 @@ def matmul_into(
     n = seg.rows
     cfg = cfg or i8_config(seg.type_name, n, k, m)
     tiles = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     p = seg.planes
     lo = p["lo"].view(torch.uint8)
     # sc / mn: a row's eight 6-bit values of a super-block as one int64 (`_sub_block_bytes`)
     planes = (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"].view(torch.int64), p["sd"],
               p["mn"].view(torch.int64), p["smin"])  # fmt: skip
+    common = dict(FIVE=seg.type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, ASM=out.is_cuda,
+                  SCALE_WORDS=scale_words(seg.type_name, cfg), num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **pdl.options(out))  # fmt: skip
+    if cfg.stream_programs:
+        run = split_k.stream(tiles[0] * tiles[1], k // XB, cfg.stream_programs, m, n, out.device)
+        _q4_k_stream_kernel[(run.programs,)](
+            parts, dx, out, run.partials, run.counters, *planes, m, n, k, out.stride(0), **common
+        )  # fmt: skip
+        return
+    cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
     _q4_k_kernel[(*tiles, cut.count)](
-        parts, dx, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per,
-        FIVE=seg.type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda,
-        SCALE_WORDS=scale_words(seg.type_name, cfg.block_m),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
+        parts, dx, out, cut.partials, cut.counters, *planes, m, n, k, out.stride(0), cut.per, SPLIT=cut.split,
+        **common,
     )  # fmt: skip

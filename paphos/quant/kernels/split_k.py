@@ -3,7 +3,13 @@ triton_exl2.py, gguf/triton_gguf_i8.py): the K slices of one output tile run in 
 (more programs than a narrow layer's tiles alone give 132 SMs); each stores its float32 partial,
 and the last one to finish (an atomic count per tile) sums them. No second launch, and that last
 program resets the tile's count, so the launch replays from a CUDA graph. `slices` plans a
-launch's cut and its buffers."""
+launch's cut and its buffers.
+
+Stream-K (`stream`, `stream_contributors`): a launch of exactly P programs, as many as the GPU
+holds at once, cuts the tiles' K steps laid end to end (tile-major) into P equal runs, so a
+program may finish one tile and start the next; the programs that share a tile sum their
+partials as the slices of a split launch do. Every program streams the same number of weight
+bytes and none waits for a second wave, whatever the tile count."""
 
 from __future__ import annotations
 
@@ -60,7 +66,40 @@ def slices(steps: int, wanted: int, tiles: int, m: int, n: int, device: torch.de
     return Slices(per, count, split, partials, counters(device) if split else partials)
 
 
+@dataclass(frozen=True)
+class Stream:
+    """A stream-K launch: `programs` programs over `steps` K steps of each of `tiles` tiles;
+    `partials` [most programs sharing a tile, M, N] and `counters` its buffers."""
+
+    programs: int
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+def stream(tiles: int, steps: int, programs: int, m: int, n: int, device: torch.device) -> Stream:
+    """Plans a stream-K launch of at most `programs` programs, each with two K steps or more."""
+    total = tiles * steps
+    programs = max(1, min(programs, total // 2))
+    if programs * total >= 1 << 31 or tiles > COUNTERS:  # the kernels' int32 run arithmetic
+        raise ValueError(f"stream-K: {tiles} tiles x {steps} steps is too large for {programs} programs")
+    sharing = math.ceil(steps / (total // programs)) + 1  # a tile's steps over the shortest runs
+    partials = torch.empty(min(sharing, programs), m, n, dtype=torch.float32, device=device)
+    return Stream(programs, partials, counters(device))
+
+
 if triton is not None:
+
+    @triton.jit
+    def stream_program_of(step, programs, total):
+        """The program whose run holds global K step `step` (runs: p * total // programs ..)."""
+        return ((step + 1) * programs - 1) // total
+
+    @triton.jit
+    def stream_contributors(tile, steps, program, programs, total):
+        """(this program's slice index among the programs sharing `tile`, how many share it)."""
+        first = stream_program_of(tile * steps, programs, total)
+        last = stream_program_of((tile + 1) * steps - 1, programs, total)
+        return program - first, last - first + 1
 
     @triton.jit
     def fence(ASM: tl.constexpr):
