@@ -275,13 +275,13 @@ I8_SHAPES = tuple(s for s in GEMV_SHAPES if ti8.supports(s[0], s[3]))
 
 
 def _i8_candidates(type_name: str, n: int, k: int, m: int) -> list[ti8.I8Config]:
-    """Stream-K over the rule's tile (2-4 programs per SM), the rule's tile with other K splits,
-    steps and stages, 128-row tiles (4 or 8 warps), then mma.sync tiles (32 or 16 rows)."""
-    rule = ti8.i8_config(type_name, n, k, m)
-    out = [dataclasses.replace(rule, split_k=1, stream_programs=per_sm * split_k.NUM_SMS_GUESS) for per_sm in (2, 3, 4)]
+    """Stream-K over the rule's tile (2-4 programs per SM), the split rule's tile with other K
+    splits, steps and stages, 128-row tiles (4 or 8 warps), then mma.sync tiles (32 or 16 rows)."""
+    split = partial(ti8.i8_config, type_name, n, k, m, stream=False)
+    out = [dataclasses.replace(split(), stream_programs=per_sm * split_k.NUM_SMS_GUESS) for per_sm in (2, 3, 4)]
     for bn, warps in ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1)):
         for per_sm in (2, 4, 8):
-            base = dataclasses.replace(ti8.i8_config(type_name, n, k, m, per_sm), block_n=bn, num_warps=warps)
+            base = dataclasses.replace(split(per_sm), block_n=bn, num_warps=warps)
             if bn != 64:  # the same programs per SM with other tiles
                 base = dataclasses.replace(base, split_k=max(1, base.split_k * bn // 64))
             out += [dataclasses.replace(base, num_stages=stages) for stages in (3, 4)]

@@ -131,7 +131,7 @@ def test_the_rule_streams_q4_k_where_it_measured_faster() -> None:
     """Stream-K for Q4_K's 16-token tiles where each program runs four super-blocks or more (a
     Llama-3-8B layer's q|k, gate|up and down); o (3.9 a program), Q5_K and 32-token tiles keep the
     split launch."""
-    from paphos.quant.gguf.triton_gguf_i8 import i8_config
+    from paphos.quant.gguf.triton_gguf_i8 import I8Config, i8_config
 
     streamed = {(n, k) for n, k in ((5120, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
                 if i8_config("Q4_K", n, k, 16).stream_programs}  # fmt: skip
@@ -139,6 +139,7 @@ def test_the_rule_streams_q4_k_where_it_measured_faster() -> None:
     assert i8_config("Q4_K", 28672, 4096, 16).stream_programs == 2 * split_k.NUM_SMS_GUESS
     assert not i8_config("Q5_K", 28672, 4096, 16).stream_programs
     assert not i8_config("Q4_K", 28672, 4096, 32).stream_programs
+    assert i8_config("Q4_K", 28672, 4096, 16, stream=False) == I8Config(64, 16, 1)  # the split rule's launch
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001

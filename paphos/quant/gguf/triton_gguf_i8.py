@@ -319,7 +319,7 @@ STREAM_MIN_RUN = 4
 TUNED_CONFIGS: dict[tuple[str, int, int, int], I8Config] = {}
 
 
-def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 2) -> I8Config:
+def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 2, stream: bool = True) -> I8Config:
     """The launch at M tokens: 16 per program, Q4_K 32 above 16 tokens (each weight decoded once
     for twice the tokens: 158.8 us for a Q4_K_M layer's Q4_K linears at 32 tokens, H100; Q5_K
     spills at 32), the token tiles side by side in the grid so the next reads the weights from L2;
@@ -330,7 +330,7 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     17.5 us, gate|up 55.9 -> 50.5, down 32.7 -> 29.1; o, 3.9 super-blocks a run, 14.6 -> 16.2
     stays split; Q5_K's gate|up 69.5 -> 71.0 stays split); otherwise K split while the grid stays
     within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks (q|k
-    2 slices, o and down 4). A per-shape entry of TUNED_CONFIGS wins."""
+    2 slices, o and down 4; `stream=False`: always so). A per-shape entry of TUNED_CONFIGS wins."""
     bm = 32 if type_name == "Q4_K" and m > 16 else 16
     tuned = TUNED_CONFIGS.get((type_name, rows, k, bm))
     if tuned is not None:
@@ -338,9 +338,9 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     block_n = 64
     tiles = math.ceil(rows / block_n) * math.ceil(m / bm)
     blocks, split = k // XB, 1
-    stream = STREAM_PER_SM * split_k.NUM_SMS_GUESS
-    if type_name == "Q4_K" and bm == 16 and tiles * blocks >= STREAM_MIN_RUN * stream:
-        return I8Config(block_n, bm, stream_programs=stream)
+    programs = STREAM_PER_SM * split_k.NUM_SMS_GUESS
+    if stream and type_name == "Q4_K" and bm == 16 and tiles * blocks >= STREAM_MIN_RUN * programs:
+        return I8Config(block_n, bm, stream_programs=programs)
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
     return I8Config(block_n, bm, split)
