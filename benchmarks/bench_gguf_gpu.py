@@ -80,7 +80,6 @@ from paphos.quant.gguf import planes  # noqa: E402
 from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
 from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
-from paphos.quant.kernels import split_k  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("ceilings", "kernels", "gemv", "i8", "batched", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0",
@@ -278,7 +277,7 @@ def _i8_candidates(type_name: str, n: int, k: int, m: int) -> list[ti8.I8Config]
     """Stream-K over the rule's tile (2-4 programs per SM), the split rule's tile with other K
     splits, steps and stages, 128-row tiles (4 or 8 warps), then mma.sync tiles (32 or 16 rows)."""
     split = partial(ti8.i8_config, type_name, n, k, m, stream=False)
-    out = [dataclasses.replace(split(), stream_programs=per_sm * split_k.NUM_SMS_GUESS) for per_sm in (2, 3, 4)]
+    out = [dataclasses.replace(split(), stream_per_sm=per_sm) for per_sm in (2, 3, 4)]
     for bn, warps in ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1)):
         for per_sm in (2, 4, 8):
             base = dataclasses.replace(split(per_sm), block_n=bn, num_warps=warps)

@@ -109,7 +109,8 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
-def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN001
+def test_gemm_matches_reference(tg, ti8, type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(split_k, "num_sms", lambda device: 1)  # stream-K: stream_per_sm programs in all
     raw = _raw(type_name, N, K, 2)
     seg = tg.Segment(type_name, 0, N, K, planes.repack(raw, type_name))
     gen = torch.Generator().manual_seed(5)
@@ -117,8 +118,8 @@ def test_gemm_matches_reference(tg, ti8, type_name: str) -> None:  # noqa: ANN00
     cases = ((2, ti8.I8Config(32, 16, 1, 2)), (9, ti8.I8Config(16, 16, 2, 1)), (16, ti8.I8Config(64, 16, 2)),
              (29, ti8.I8Config(16, 16, 2)), (29, ti8.I8Config(32, 32, 2)),  # two token tiles, one
              # stream-K: runs inside tiles and across them, one tile shared by up to four programs
-             (9, ti8.I8Config(16, 16, stream_programs=7)), (29, ti8.I8Config(16, 16, stream_programs=5)),
-             (29, ti8.I8Config(32, 32, stream_programs=3)))  # fmt: skip
+             (9, ti8.I8Config(16, 16, stream_per_sm=7)), (29, ti8.I8Config(16, 16, stream_per_sm=5)),
+             (29, ti8.I8Config(32, 32, stream_per_sm=3)))  # fmt: skip
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
@@ -134,11 +135,11 @@ def test_the_rule_streams_q4_k_where_it_measured_faster() -> None:
     from paphos.quant.gguf.triton_gguf_i8 import I8Config, i8_config
 
     streamed = {(n, k) for n, k in ((5120, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-                if i8_config("Q4_K", n, k, 16).stream_programs}  # fmt: skip
+                if i8_config("Q4_K", n, k, 16).stream_per_sm}  # fmt: skip
     assert streamed == {(5120, 4096), (28672, 4096), (4096, 14336)}
-    assert i8_config("Q4_K", 28672, 4096, 16).stream_programs == 2 * split_k.NUM_SMS_GUESS
-    assert not i8_config("Q5_K", 28672, 4096, 16).stream_programs
-    assert not i8_config("Q4_K", 28672, 4096, 32).stream_programs
+    assert i8_config("Q4_K", 28672, 4096, 16).stream_per_sm == 2
+    assert not i8_config("Q5_K", 28672, 4096, 16).stream_per_sm
+    assert not i8_config("Q4_K", 28672, 4096, 32).stream_per_sm
     assert i8_config("Q4_K", 28672, 4096, 16, stream=False) == I8Config(64, 16, 1)  # the split rule's launch
 
 
@@ -218,7 +219,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
     if mma_sync:
         cfg = ti8.I8Config(32, 16, cfg.split_k, 2, 3)
     if stream:
-        cfg = dataclasses.replace(cfg, stream_programs=3 * 132)
+        cfg = dataclasses.replace(cfg, stream_per_sm=2)
     args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
             "w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i64", "sd_ptr": "*fp16", "mn_ptr": "*i64",
             "smin_ptr": "*fp16"}  # fmt: skip

@@ -340,7 +340,7 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     blocks, split = k // XB, 1
     programs = STREAM_PER_SM * split_k.NUM_SMS_GUESS
     if stream and type_name == "Q4_K" and bm == 16 and tiles * blocks >= STREAM_MIN_RUN * programs:
-        return I8Config(block_n, bm, stream_programs=programs)
+        return I8Config(block_n, bm, stream_per_sm=STREAM_PER_SM)
     while blocks // (split * 2) >= 2 and tiles * split * 2 <= programs_per_sm * split_k.NUM_SMS_GUESS:
         split *= 2
     return I8Config(block_n, bm, split)
@@ -350,7 +350,7 @@ def scale_words(type_name: str, cfg: I8Config) -> bool:
     """Whether `_q4_k_kernel` reads the sub-block scales and minima as one int64 a row
     (`SCALE_WORDS`): where that measured faster on an H100, Q5_K and 32-token tiles; and by
     stream-K, whose loop over tiles would spill the byte tile's registers."""
-    return type_name == "Q5_K" or cfg.block_m > 16 or cfg.stream_programs > 0
+    return type_name == "Q5_K" or cfg.block_m > 16 or cfg.stream_per_sm > 0
 
 
 def x_layout(max_tokens: int = 0) -> BlockLayout:
@@ -384,8 +384,9 @@ def matmul_into(
     common = dict(FIVE=seg.type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, ASM=out.is_cuda,
                   SCALE_WORDS=scale_words(seg.type_name, cfg), num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, **pdl.options(out))  # fmt: skip
-    if cfg.stream_programs:
-        run = split_k.stream(tiles[0] * tiles[1], k // XB, cfg.stream_programs, m, n, out.device)
+    if cfg.stream_per_sm:
+        programs = cfg.stream_per_sm * split_k.num_sms(out.device)
+        run = split_k.stream(tiles[0] * tiles[1], k // XB, programs, m, n, out.device)
         _q4_k_stream_kernel[(run.programs,)](
             parts, dx, out, run.partials, run.counters, *planes, m, n, k, out.stride(0), **common
         )  # fmt: skip

@@ -13,6 +13,7 @@ bytes and none waits for a second wave, whatever the tile count."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,6 +28,19 @@ except ImportError:  # CPU-only installs
 NUM_SMS_GUESS = 132  # H100 / H200: the split rules' programs-per-SM targets count against it
 COUNTERS = 1 << 16  # tile counters per device, zero between launches: the most tiles one launch splits
 _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessors, which a stream-K launch fills exactly (NUM_SMS_GUESS where
+    the interpreter runs it on the CPU)."""
+    if device.type != "cuda":
+        return NUM_SMS_GUESS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def counters(device: torch.device, stream: str = "step") -> torch.Tensor:

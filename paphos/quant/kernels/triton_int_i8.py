@@ -185,16 +185,16 @@ if triton is not None:
 @dataclass(frozen=True)
 class I8Config:
     """`_gemm_kernel`'s launch (and triton_gguf_i8's): weight rows and tokens per program, K slices,
-    warps, stages; for triton_gguf_i8 `stream_programs` > 0 runs its tiles by stream-K over that
-    many programs (at most) instead of the K slices (split_k.py; here measured slower: benchmarks/
-    README.md, "Stream-K for the int8 tensor-core GEMMs")."""
+    warps, stages; for triton_gguf_i8 `stream_per_sm` > 0 runs its tiles by stream-K over that
+    many programs per multiprocessor of the device instead of the K slices (split_k.py; here
+    measured slower: benchmarks/README.md, "Stream-K for the int8 tensor-core GEMMs")."""
 
     block_n: int = 64
     block_m: int = 16
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    stream_programs: int = 0
+    stream_per_sm: int = 0
 
 
 def i8_config(spec: IntSpec, m: int, programs_per_sm: int = 2, block_n: int | None = None) -> I8Config:
