@@ -82,8 +82,8 @@ from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
-SECTIONS = ("ceilings", "kernels", "gemv", "i8", "batched", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl", "q8_0",
-            "bf16")
+SECTIONS = ("ceilings", "kernels", "q6_k_tile", "gemv", "i8", "batched", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl",
+            "q8_0", "bf16")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
 # llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512;
 # batch-16 decode from `llama-batched-bench -npl 1,16,64` (issue 18)
@@ -177,6 +177,33 @@ def section_kernels(bench: Bench) -> dict[str, Any]:
     torch.cuda.empty_cache()
     out["max_rel_err"] = worst
     out["pass"] = worst < 1e-2
+    return out
+
+
+def section_q6_k_tile(bench: Bench) -> dict[str, Any]:
+    """The fused kernel's Q6_K weights on the GPU (`triton_gguf._q6_k_tile`, its inline PTX), read
+    back by one-hot tokens: bit for bit the interpreter path's arithmetic (code x (hi + lo), each
+    of its two roundings to the model dtype), as torch computes it here, and the fraction equal to
+    the exact weights correctly rounded."""
+    out: dict[str, Any] = {}
+    n, k = 1024, 4096
+    seg, raw = _segment("Q6_K", n, k)
+    fields = planes._codes_and_scales(raw.reshape(-1, planes.type_size("Q6_K")), "Q6_K")
+    codes = (fields["q"].reshape(n, k) - 32).float()
+    scale = fields["sc"].float().reshape(n, k // 16) * fields["sd"].float().reshape(n, k // 256).repeat_interleave(16, 1)
+    exact = dequantize(raw, "Q6_K")
+    for dtype in (torch.bfloat16, torch.float16):
+        hi = scale.to(dtype).float()
+        lo = (scale - hi).to(dtype).float()
+        part = (codes * lo.repeat_interleave(16, 1)).to(dtype).float()
+        expected = (codes * hi.repeat_interleave(16, 1) + part).to(dtype)
+        got = tg.fused_matmul(torch.eye(k, dtype=dtype, device="cuda"), [seg], n, [tg.KernelConfig(32, 128, 1, 4, 2, 16)]).t()
+        name = str(dtype).removeprefix("torch.")
+        out[name] = {"bit_exact": bool(torch.equal(got, expected)),
+                     "correctly_rounded": (got == exact.to(dtype)).float().mean().item()}  # fmt: skip
+        print(f"q6_k_tile {name}: as the interpreter path {out[name]['bit_exact']}, correctly rounded "
+              f"{out[name]['correctly_rounded']:.5f}", flush=True)  # fmt: skip
+    out["pass"] = all(v["bit_exact"] and v["correctly_rounded"] >= 0.99 for v in out.values())
     return out
 
 
@@ -368,7 +395,10 @@ def section_batched(bench: Bench) -> dict[str, Any]:
     against cuBLAS bf16 on the dequantized weight; weights cycled from memory. Run on two
     checkouts on one machine to compare kernel versions."""
     out: dict[str, Any] = {}
+    types = bench.args.gemv_types.split(",") if bench.args.gemv_types else None
     for type_name, name, n, k in GEMV_SHAPES:
+        if types and type_name not in types:
+            continue
         seg, w, copies, w16s = _timed_segment(type_name, n, k)
         for m in (int(v) for v in bench.args.i8_ms.split(",")):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -387,7 +417,7 @@ def section_batched(bench: Bench) -> dict[str, Any]:
 def section_sweep(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     deadline = time.perf_counter() + bench.args.sweep_seconds
-    for type_name in MAIN_TYPES:
+    for type_name in bench.args.sweep_types.split(","):
         for name, n, k in SHAPES:
             if name == "head" and type_name == "Q4_K":
                 continue  # the Q4_K_M head is Q6_K
@@ -670,7 +700,8 @@ def main() -> None:
     parser.add_argument("--tmp", help="directory for the generated files (default: a new temp dir)")
     parser.add_argument("--gmu", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--gemv-types", help="gemv section: only these types (comma-separated)")
+    parser.add_argument("--gemv-types", help="gemv and batched sections: only these types (comma-separated)")
+    parser.add_argument("--sweep-types", default=",".join(MAIN_TYPES), help="sweep section: these types")
     parser.add_argument("--gemv-shapes", help="gemv section: only these shape names (e.g. down,head)")
     parser.add_argument("--profile", action="store_true",
                         help="engine sections: also profile a batch-1 decode step and a pp512 step")

@@ -88,8 +88,9 @@ def count(name: str, rows: int, warps: int) -> dict[str, object]:
 
 
 def count_fused(type_name: str) -> dict[str, object]:
-    """triton_gguf's fused bf16 kernel, which these types ran before, at its rule's launch for 16
-    tokens on a 4096 x 4096 weight."""
+    """triton_gguf's fused bf16 kernel (the Q4_K / Q5_K int8 kernels' predecessor, and the kernel of
+    the other types, Q6_K by its inline PTX) at its rule's launch for 16 tokens on a 4096 x 4096
+    weight."""
     fmt = planes.FORMATS[type_name]
     cfg = triton_gguf.config_for(type_name, 4096, 4096, 16)
     args = {"x_ptr": "*bf16", "out_ptr": "*fp32", "lo_ptr": "*i8" if fmt.lo == 8 else "*i32", "hi_ptr": "*i32",
@@ -99,10 +100,11 @@ def count_fused(type_name: str) -> dict[str, object]:
     args |= {name: "i32" for name in ints}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
                       SCMIN_NIB=fmt.scmin_nib, BM=16, BN=cfg.block_n, BK=cfg.block_k, ATOMIC=True,
-                      DOT_F32=False)  # fmt: skip
+                      DOT_F32=False, Q6_K_TILE=type_name == "Q6_K", ASM=True,
+                      Q6_K_TRANSPOSED=triton_gguf.Q6_K_TRANSPOSED)  # fmt: skip
     out = compile_sm90(triton_gguf._fused_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, sass=True)
     body = main_loop(out)
-    step_bytes = cfg.block_n * cfg.block_k * KERNELS[type_name][4] / 256
+    step_bytes = cfg.block_n * cfg.block_k * planes.type_size(type_name) / fmt.block
     return {"type": type_name, "rows": cfg.block_n, "warps": cfg.num_warps, "mma": "fused bf16",
             "loop_instructions": len(body), "per_byte": len(body) * 32 * cfg.num_warps / step_bytes}  # fmt: skip
 
@@ -119,7 +121,7 @@ def main() -> None:
             rows.append(r)
             print(f"{name:7} {bn:4} {warps:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f} "
                   f"{r['waits_per_kib']:9.2f} {r['registers']:4} {r['spill_stack']}", flush=True)  # fmt: skip
-    for type_name in ti8.I8_MAX_TOKENS:
+    for type_name in (*ti8.I8_MAX_TOKENS, "Q6_K", "Q8_0"):
         r = count_fused(type_name)
         rows.append(r)
         print(f"{type_name:7} {r['rows']:4} {r['warps']:5} {r['mma']:8} {r['loop_instructions']:5} {r['per_byte']:7.2f}",

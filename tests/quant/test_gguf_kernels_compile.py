@@ -99,17 +99,22 @@ def _float_gemv(type_name: str) -> None:
     assert "STACK:0 " in compile_sm90(gemv._gemv_kernel, args, constexprs, 2)
 
 
-def _fused(type_name: str, block_m: int) -> None:
+def _fused(type_name: str, block_m: int, x_type: str = "*bf16") -> None:
+    """The fused kernel at `block_m` tokens a tile; Q6_K's tiles decode by its inline PTX
+    (`_q6_k_tile`), which must not spill."""
     from paphos.quant.gguf import planes
     from paphos.quant.gguf import triton_gguf as tg
 
     fmt = planes.FORMATS[type_name]
-    args = {"x_ptr": "*bf16", "out_ptr": "*fp32", **_plane_args(fmt, "*i8" if fmt.lo == 8 else "*i32"),
+    args = {"x_ptr": x_type, "out_ptr": "*fp32", **_plane_args(fmt, "*i8" if fmt.lo == 8 else "*i32"),
             "lut_ptr": "*fp32"}  # fmt: skip
     args |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "iters_per_split")}
+    q6_k_tile = type_name == "Q6_K" and block_m > 1
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
-                      SCMIN_NIB=fmt.scmin_nib, BM=block_m, BN=32, BK=128, ATOMIC=True, DOT_F32=False)  # fmt: skip
-    assert compile_sm90(tg._fused_kernel, args, constexprs, 4)
+                      SCMIN_NIB=fmt.scmin_nib, BM=block_m, BN=32, BK=128, ATOMIC=True, DOT_F32=False,
+                      Q6_K_TILE=q6_k_tile, ASM=True, Q6_K_TRANSPOSED=tg.Q6_K_TRANSPOSED)  # fmt: skip
+    sass = compile_sm90(tg._fused_kernel, args, constexprs, 4)
+    assert sass and (not q6_k_tile or "STACK:0 " in sass)
 
 
 def _gather(type_name: str) -> None:
@@ -156,6 +161,7 @@ CASES = {
     "merge-int8-blocks-256": (_merge_producer, "Q4_K", 256),
     **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
     "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
+    "fused-Q6_K-m16-bf16": (_fused, "Q6_K", 16), "fused-Q6_K-m32-fp16": (_fused, "Q6_K", 32, "*fp16"),
     "gather-Q6_K": (_gather, "Q6_K"),
 }  # fmt: skip
 

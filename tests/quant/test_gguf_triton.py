@@ -21,6 +21,7 @@ from paphos.layers import x_int8, x_int8_outputs
 from paphos.quant.gguf import planes
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import GGUFShard
+from tests.quant import ptx_sim
 from tests.quant.gguf_blocks import random_blocks, weight_scale
 from tests.triton_interpreted import interpreted
 
@@ -252,3 +253,48 @@ def test_kernel_choice(tg) -> None:  # noqa: ANN001
     assert not cls.can_implement(shards, cuda, torch.float32)  # the exact reference path instead
     f16 = (GGUFShard("f", "F16", 16, 2 * K, 0, 0),)
     assert not cls.can_implement(f16, cuda, torch.bfloat16)  # dequantized at load
+
+
+def _bits16(v: float, dtype: torch.dtype) -> int:
+    return torch.tensor([v], dtype=torch.float32).to(dtype).view(torch.int16).item() & 0xFFFF
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_q6_k_asm_decodes_as_the_interpreter_path(tg, dtype: torch.dtype) -> None:  # noqa: ANN001
+    """The fused kernel's Q6_K decode on the GPU (`_q6_k_asm`, run here by tests/quant/ptx_sim.py on
+    random groups) gives the interpreter path's weights bit for bit: code x (hi + lo) rounded
+    once, which is the correctly rounded code x scale for all but a few weights."""
+    asm = (tg._ASM_Q6_K_F16 if dtype == torch.float16 else tg._ASM_Q6_K_BF16).value
+    rng = np.random.default_rng(5)
+    rounded_once = total = 0
+    for _ in range(300):
+        w0, w1, hw = (int(v) for v in rng.integers(0, 1 << 32, 3))
+        scale = np.float32(rng.integers(-128, 128)) * np.float32(np.float16(rng.uniform(1e-4, 0.05)))
+        hi = float(torch.tensor([float(scale)]).to(dtype))
+        lo = float(torch.tensor([float(scale) - hi]).to(dtype))
+        out = ptx_sim.run(asm, [w0, w1, hw, _bits16(hi, dtype), _bits16(lo, dtype)], 16)
+        for j in range(16):
+            word = w1 if j % 2 else w0
+            code = ((word >> (4 * (j // 2))) & 15 | ((hw >> (16 * (j % 2) + 2 * (j // 2))) & 3) << 4) - 32
+            part = float(torch.tensor([code * lo]).to(dtype))
+            assert out[j] == _bits16(code * hi + part, dtype), (j, code, hi, lo)
+            rounded_once += out[j] == _bits16(code * float(scale), dtype)
+            total += 1
+    assert rounded_once >= 0.99 * total
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_q6_k_tile_rounds_each_weight_once(tg, dtype: torch.dtype, transposed: bool,  # noqa: ANN001
+                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The weights the fused kernel multiplies for Q6_K (one-hot tokens read them back) are the
+    exact dequantized weights rounded to the model dtype, but where a weight lies within 2^-16
+    of a rounding boundary (one unit in the last place there); in both tile orientations."""
+    monkeypatch.setattr(tg, "Q6_K_TRANSPOSED", transposed)
+    raw = _raw("Q6_K", N, K, 3)
+    seg = tg.Segment("Q6_K", 0, N, K, planes.repack(raw, "Q6_K"))
+    got = tg.fused_matmul(torch.eye(K, dtype=dtype), [seg], N, [tg.KernelConfig(32, 128, 1, 4, 2, 16)]).float()
+    exact = dequantize(raw, "Q6_K").t()
+    assert (got == exact.to(dtype).float()).float().mean() >= 0.99
+    ulp = exact.abs() * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
+    assert ((got - exact).abs() <= ulp).all()
