@@ -53,6 +53,14 @@ KV_CACHE_DTYPE = {"ct-fp8-dynamic-kv": torch.float8_e4m3fn}
 # The engine runs float caches on the CPU: the fixtures whose reference it can reach.
 ENGINE_FIXTURES = tuple(name for name in FIXTURES if name not in KV_CACHE_DTYPE)
 LOGIT_TOL = 1e-4
+# Fixtures whose forward rounds activations (or K and V) to 8 bits as it runs: a last-bit difference
+# in a float32 sum (each CPU's GEMM cuts K its own way) can move one value across a rounding step
+# there, and that token's logits then differ by the step's effect (up to 0.11 on a Sapphire Rapids
+# CPU, none on the fixtures' machine or an AVX2 EPYC). So a few positions may exceed LOGIT_TOL by
+# up to FLIP_TOL, below the tools' own kernels' distance from their references (0.27-0.98).
+ROUNDED_ACTIVATIONS = ("ct-fp8-dynamic", "ct-fp8-static", "ct-naive-w8a8", "ct-fp8-dynamic-kv")
+FLIP_POSITIONS = 8  # of a reference's 8 prompts x 16 tokens
+FLIP_TOL = 0.25
 LINEARS = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2), "self_attn.o_proj": ("self_attn.o_proj", 0),
@@ -113,6 +121,21 @@ def case(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, dict[str
     return name, build(checkpoint(name)), ref, metadata
 
 
+def assert_logits_match(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """got within LOGIT_TOL of want at every (prompt, token), but for the rounding flips a fixture in
+    ROUNDED_ACTIVATIONS may show at a few positions."""
+    per_position = (got - want).abs().amax(-1)
+    worst = per_position.max().item()
+    if name not in ROUNDED_ACTIVATIONS:
+        assert worst <= LOGIT_TOL, f"{name}: max |dlogit| {worst:.2e} vs the tool's fp32 reference"
+        return
+    off = int((per_position > LOGIT_TOL).sum())
+    assert off <= FLIP_POSITIONS and worst <= FLIP_TOL, (
+        f"{name}: {off} of {per_position.numel()} positions beyond {LOGIT_TOL} of the tool's fp32 reference, "
+        f"worst {worst:.2e}"
+    )
+
+
 def test_every_layout_dequantizes_as_the_tool_does(case) -> None:  # noqa: ANN001
     name, model, ref, _ = case
     layer = model.model.layers[0]
@@ -127,8 +150,7 @@ def test_logits_match_the_tools_reference(case) -> None:  # noqa: ANN001
     name, model, ref, _ = case
     ids = ref["input_ids"]
     got = logits(model, ids, [5, 11], KV_CACHE_DTYPE.get(name, torch.float32))  # chunked prefill: 5, then 11
-    worst = (got - ref["dequant_logits"]).abs().max().item()
-    assert worst <= LOGIT_TOL, f"{name}: max |dlogit| {worst:.2e} vs the tool's fp32 reference"
+    assert_logits_match(name, got, ref["dequant_logits"])
 
 
 def test_as_close_to_the_tools_own_kernels_as_its_reference_is(case) -> None:  # noqa: ANN001
@@ -226,8 +248,7 @@ def test_int_quantized_is_the_naive_layout_under_its_default_name(tmp_path: Path
     for group in qc["config_groups"].values():
         group["format"] = "int-quantized"
     (tmp_path / "config.json").write_text(json.dumps(config))
-    got = logits(build(tmp_path), ref["input_ids"], [16])
-    assert (got - ref["dequant_logits"]).abs().max().item() <= LOGIT_TOL
+    assert_logits_match("ct-naive-w8a8", logits(build(tmp_path), ref["input_ids"], [16]), ref["dequant_logits"])
 
 
 def test_fixtures_record_their_tool() -> None:

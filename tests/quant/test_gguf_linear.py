@@ -92,7 +92,10 @@ def test_int8_group_kernel_for_q8_q5_q6_shards_in_bf16() -> None:
     # A byte per value, a float32 scale per 16 (Q6_K's group, shared by the merged layer).
     assert layer.gguf_codes.numel() + layer.gguf_scales.numel() * 4 == w.numel() + w.numel() // 16 * 4
     x = _x(torch.bfloat16)
-    assert torch.equal(layer(x), F.linear(x, w.to(torch.bfloat16)))  # eager: a weight dequantized at load
+    # several rows: the native kernel where the CPU has one (its own float32 summation order), else
+    # the weight dequantized by row chunks and F.linear
+    ref = F.linear(x.float(), w.to(torch.bfloat16).float())
+    assert (layer(x).float() - ref).abs().max() <= 2**-8 * ref.abs().max()  # the bf16 output rounding
 
     # One row inside a compiled step: one fp32 reduction over the exact weights.
     row = _x(torch.bfloat16, 1)
