@@ -162,6 +162,7 @@ CASES = {
     **{f"float-gemv-{t}": (_float_gemv, t) for t in ("Q5_K", "Q2_K")},
     "fused-Q4_K-m16": (_fused, "Q4_K", 16), "fused-Q3_K-m1": (_fused, "Q3_K", 1), "fused-IQ4_XS-m16": (_fused, "IQ4_XS", 16),
     "fused-Q6_K-m16-bf16": (_fused, "Q6_K", 16), "fused-Q6_K-m32-fp16": (_fused, "Q6_K", 32, "*fp16"),
+    "fused-Q6_K-m64-bf16": (_fused, "Q6_K", 64),
     "gather-Q6_K": (_gather, "Q6_K"),
 }  # fmt: skip
 

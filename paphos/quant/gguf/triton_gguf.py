@@ -341,7 +341,9 @@ NUM_SMS_GUESS = 132
 # Q6_K's decoded tile as [BK, BN] (`_q6_k_tile`) for triton before 3.9: triton 3.6 stores the
 # [BN, BK] tile to shared memory value by value (a layout that keeps rows contiguous there), the
 # transposed one in 16-byte vectors, and 3.9 the other way round (sm_90 SASS at 16 tokens, 32 rows:
-# 8.6 against 10.5 instructions a weight on 3.6, 8.6 against 10.6 the other way on 3.9).
+# 8.6 against 10.5 instructions a weight on 3.6, 8.6 against 10.6 the other way on 3.9; on an
+# H100 with 3.6, v at 16 tokens 10.1 against 12.5 us), and 3.6 cannot lower the [BN, BK] tile of
+# 64 tokens at all.
 Q6_K_TRANSPOSED = triton is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
 
 
@@ -358,17 +360,21 @@ def _fit_block_k(block_k: int, k: int, fmt: Format) -> int:
 
 def default_config(type_name: str, n: int, k: int, m: int) -> KernelConfig:
     """A launch configuration by rule (overridden by TUNED_CONFIGS): enough programs to fill the
-    GPU several times over, each reading a few KiB of weights per iteration."""
+    GPU several times over, each reading a few KiB of weights per iteration. Q6_K's tiles of 16
+    and 32 tokens (`_q6_k_tile`): 64 rows, 64 values of K a step, 3 stages, at most 8 K slices
+    (H100, 16 tokens, us against 32 x 128, 2 stages: the head 529.7 -> 436.3, down 92.7 -> 65.3, v
+    10.1 -> 9.4; the float32 decode before took 651.0 / 89.4 / 12.2)."""
     fmt = FORMATS[type_name]
     bm = 1 if m == 1 else max(16, _next_pow2(m))
-    bn, bk = (16, 256) if m == 1 else ((32 if bm <= 32 else 64), 128)
+    q6_k_tile = type_name == "Q6_K" and 1 < bm <= 32
+    bn, bk = (16, 256) if m == 1 else ((32 if bm <= 32 and not q6_k_tile else 64), 64 if q6_k_tile else 128)
     bk = _fit_block_k(bk, k, fmt)
     n_iters = k // bk
     programs = math.ceil(n / bn)
-    split = 1
-    while programs * split < 4 * NUM_SMS_GUESS and n_iters // (split * 2) >= 4:
+    split, max_split = 1, 8 if q6_k_tile else n_iters
+    while programs * split < 4 * NUM_SMS_GUESS and n_iters // (split * 2) >= 4 and split < max_split:
         split *= 2
-    return KernelConfig(bn, bk, split, 4, 2, bm)
+    return KernelConfig(bn, bk, split, 4, 3 if q6_k_tile else 2, bm)
 
 
 def _next_pow2(v: int) -> int:
@@ -690,7 +696,7 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _self_check(seg: Segment, dtype: torch.dtype) -> bool:
     """Once per (type, device, dtype): the kernels on the first rows of a real layer against the
-    torch reference (M = 1, 5, 16 and the dequant path). The int8 path first, on its own (5, 16,
+    torch reference (M = 1, 5, 16, 29, 61 and the dequant path). The int8 path first, on its own (5, 16,
     29 and 61 tokens: one and two token tiles): if it fails to compile or disagrees it is logged and
     left out (batched decode keeps the fused kernel). Then False (logged) if the others fail, and
     the layer falls back to dequantize-at-load."""
@@ -716,7 +722,7 @@ def _self_check(seg: Segment, dtype: torch.dtype) -> bool:
                 logger.warning("GGUF %s int8 tensor-core kernel failed its self-check (%s); batched decode keeps "
                                "the fused kernel", seg.type_name, failure)  # fmt: skip
                 _INT8_FAILED.add((seg.type_name, str(dev)))
-        for x in xs[:3]:
+        for x in xs:  # every token tile size the fused kernel launches (16, 32, 64)
             err = _relative_error(matmul(x, [sub], rows), x.float() @ w.t())
             if not err <= 1e-2:
                 logger.warning("GGUF %s Triton kernel: relative error %.3g at M=%d", seg.type_name, err, x.shape[0])
