@@ -181,7 +181,7 @@ def section_kernels(bench: Bench) -> dict[str, Any]:
 
 
 def section_q6_k_tile(bench: Bench) -> dict[str, Any]:
-    """The fused kernel's Q6_K weights on the GPU (`triton_gguf._q6_k_tile`, its inline PTX), read
+    """The fused kernel's Q6_K weights on the GPU (paphos/quant/gguf/q6_k_tile.py, its inline PTX), read
     back by one-hot tokens: bit for bit the interpreter path's arithmetic (code x (hi + lo), each
     of its two roundings to the model dtype), as torch computes it here, and the fraction equal to
     the exact weights correctly rounded."""

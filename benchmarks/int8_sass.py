@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
-from paphos.quant.gguf import planes, triton_gguf  # noqa: E402
+from paphos.quant.gguf import planes, q6_k_tile, triton_gguf  # noqa: E402
 from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
 from paphos.quant.kernels import triton_int_i8  # noqa: E402
 from tests.device_triton import compile_sm90  # noqa: E402
@@ -101,7 +101,7 @@ def count_fused(type_name: str) -> dict[str, object]:
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
                       SCMIN_NIB=fmt.scmin_nib, BM=16, BN=cfg.block_n, BK=cfg.block_k, ATOMIC=True,
                       DOT_F32=False, Q6_K_TILE=type_name == "Q6_K", ASM=True,
-                      Q6_K_TRANSPOSED=triton_gguf.Q6_K_TRANSPOSED)  # fmt: skip
+                      Q6_K_TRANSPOSED=q6_k_tile.TRANSPOSED)  # fmt: skip
     out = compile_sm90(triton_gguf._fused_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, sass=True)
     body = main_loop(out)
     step_bytes = cfg.block_n * cfg.block_k * planes.type_size(type_name) / fmt.block

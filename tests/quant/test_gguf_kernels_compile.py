@@ -101,20 +101,20 @@ def _float_gemv(type_name: str) -> None:
 
 def _fused(type_name: str, block_m: int, x_type: str = "*bf16") -> None:
     """The fused kernel at `block_m` tokens a tile; Q6_K's tiles decode by its inline PTX
-    (`_q6_k_tile`), which must not spill."""
-    from paphos.quant.gguf import planes
+    (q6_k_tile.py, in the orientation this triton takes), which must not spill."""
+    from paphos.quant.gguf import planes, q6_k_tile
     from paphos.quant.gguf import triton_gguf as tg
 
     fmt = planes.FORMATS[type_name]
     args = {"x_ptr": x_type, "out_ptr": "*fp32", **_plane_args(fmt, "*i8" if fmt.lo == 8 else "*i32"),
             "lut_ptr": "*fp32"}  # fmt: skip
     args |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "iters_per_split")}
-    q6_k_tile = type_name == "Q6_K" and block_m > 1
+    decodes_q6_k = type_name == "Q6_K" and block_m > 1
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
                       SCMIN_NIB=fmt.scmin_nib, BM=block_m, BN=32, BK=128, ATOMIC=True, DOT_F32=False,
-                      Q6_K_TILE=q6_k_tile, ASM=True, Q6_K_TRANSPOSED=tg.Q6_K_TRANSPOSED)  # fmt: skip
+                      Q6_K_TILE=decodes_q6_k, ASM=True, Q6_K_TRANSPOSED=q6_k_tile.TRANSPOSED)  # fmt: skip
     sass = compile_sm90(tg._fused_kernel, args, constexprs, 4)
-    assert sass and (not q6_k_tile or "STACK:0 " in sass)
+    assert sass and (not decodes_q6_k or "STACK:0 " in sass)
 
 
 def _gather(type_name: str) -> None:

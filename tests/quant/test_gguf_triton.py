@@ -26,9 +26,10 @@ from tests.quant.gguf_blocks import random_blocks, weight_scale
 from tests.triton_interpreted import interpreted
 
 _MODULE = "paphos.quant.gguf.triton_gguf"
+_Q6_K = "paphos.quant.gguf.q6_k_tile"
 _GEMV = "paphos.quant.gguf.triton_gemv"
 _KERNEL_MODULES = ("paphos.layers.pdl", "paphos.layers.x_int8", _GEMV, "paphos.quant.kernels.split_k",
-                   "paphos.layers.x_int8_blocks", "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.gguf.triton_gguf_i8")  # fmt: skip
+                   "paphos.layers.x_int8_blocks", "paphos.quant.kernels.x_blocks", "paphos.quant.kernels.triton_int_i8", "paphos.quant.gguf.triton_gguf_i8", _Q6_K)  # fmt: skip
 
 
 GGUF_KERNEL_MODULES = (*_KERNEL_MODULES, _MODULE)
@@ -264,7 +265,8 @@ def test_q6_k_asm_decodes_as_the_interpreter_path(tg, dtype: torch.dtype) -> Non
     """The fused kernel's Q6_K decode on the GPU (`_q6_k_asm`, run here by tests/quant/ptx_sim.py on
     random groups) gives the interpreter path's weights bit for bit: code x (hi + lo) rounded
     once, which is the correctly rounded code x scale for all but a few weights."""
-    asm = (tg._ASM_Q6_K_F16 if dtype == torch.float16 else tg._ASM_Q6_K_BF16).value
+    q6_k = sys.modules[_Q6_K]
+    asm = (q6_k._ASM_Q6_K_F16 if dtype == torch.float16 else q6_k._ASM_Q6_K_BF16).value
     rng = np.random.default_rng(5)
     rounded_once = total = 0
     for _ in range(300):
@@ -290,7 +292,7 @@ def test_q6_k_tile_rounds_each_weight_once(tg, dtype: torch.dtype, transposed: b
     """The weights the fused kernel multiplies for Q6_K (one-hot tokens read them back) are the
     exact dequantized weights rounded to the model dtype, but where a weight lies within 2^-16
     of a rounding boundary (one unit in the last place there); in both tile orientations."""
-    monkeypatch.setattr(tg, "Q6_K_TRANSPOSED", transposed)
+    monkeypatch.setattr(sys.modules[_Q6_K], "TRANSPOSED", transposed)
     raw = _raw("Q6_K", N, K, 3)
     seg = tg.Segment("Q6_K", 0, N, K, planes.repack(raw, "Q6_K"))
     got = tg.fused_matmul(torch.eye(K, dtype=dtype), [seg], N, [tg.KernelConfig(32, 128, 1, 4, 2, 16)]).float()
