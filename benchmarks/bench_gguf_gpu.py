@@ -197,12 +197,14 @@ def section_q6_k_tile(bench: Bench) -> dict[str, Any]:
         lo = (scale - hi).to(dtype).float()
         part = (codes * lo.repeat_interleave(16, 1)).to(dtype).float()
         expected = (codes * hi.repeat_interleave(16, 1) + part).to(dtype)
-        got = tg.fused_matmul(torch.eye(k, dtype=dtype, device="cuda"), [seg], n, [tg.KernelConfig(32, 128, 1, 4, 2, 16)]).t()
-        name = str(dtype).removeprefix("torch.")
-        out[name] = {"bit_exact": bool(torch.equal(got, expected)),
-                     "correctly_rounded": (got == exact.to(dtype)).float().mean().item()}  # fmt: skip
-        print(f"q6_k_tile {name}: as the interpreter path {out[name]['bit_exact']}, correctly rounded "
-              f"{out[name]['correctly_rounded']:.5f}", flush=True)  # fmt: skip
+        engine = tg.default_config("Q6_K", n, k, 16)  # its 16-token tile, one K slice (no float32 sums)
+        for cfg in (tg.KernelConfig(engine.block_n, engine.block_k, 1, 4, 3, 16), tg.KernelConfig(32, 128, 1, 4, 2, 16)):
+            got = tg.fused_matmul(torch.eye(k, dtype=dtype, device="cuda"), [seg], n, [cfg]).t()
+            name = f"{str(dtype).removeprefix('torch.')} {cfg.block_n}x{cfg.block_k}"
+            out[name] = {"bit_exact": bool(torch.equal(got, expected)),
+                         "correctly_rounded": (got == exact.to(dtype)).float().mean().item()}  # fmt: skip
+            print(f"q6_k_tile {name}: as the interpreter path {out[name]['bit_exact']}, correctly rounded "
+                  f"{out[name]['correctly_rounded']:.5f}", flush=True)  # fmt: skip
     out["pass"] = all(v["bit_exact"] and v["correctly_rounded"] >= 0.99 for v in out.values())
     return out
 

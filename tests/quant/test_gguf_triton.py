@@ -291,12 +291,15 @@ def test_q6_k_tile_rounds_each_weight_once(tg, dtype: torch.dtype, transposed: b
                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The weights the fused kernel multiplies for Q6_K (one-hot tokens read them back) are the
     exact dequantized weights rounded to the model dtype, but where a weight lies within 2^-16
-    of a rounding boundary (one unit in the last place there); in both tile orientations."""
+    of a rounding boundary (one unit in the last place there); in both tile orientations, at the
+    engine's 16-token tile (64 rows, 64 values a step) and at 32 x 128."""
     monkeypatch.setattr(sys.modules[_Q6_K], "TRANSPOSED", transposed)
     raw = _raw("Q6_K", N, K, 3)
     seg = tg.Segment("Q6_K", 0, N, K, planes.repack(raw, "Q6_K"))
-    got = tg.fused_matmul(torch.eye(K, dtype=dtype), [seg], N, [tg.KernelConfig(32, 128, 1, 4, 2, 16)]).float()
     exact = dequantize(raw, "Q6_K").t()
-    assert (got == exact.to(dtype).float()).float().mean() >= 0.99
     ulp = exact.abs() * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
-    assert ((got - exact).abs() <= ulp).all()
+    engine = tg.default_config("Q6_K", N, K, 16)
+    for cfg in (tg.KernelConfig(engine.block_n, engine.block_k, 1, 4, 3, 16), tg.KernelConfig(32, 128, 1, 4, 2, 16)):
+        got = tg.fused_matmul(torch.eye(K, dtype=dtype), [seg], N, [cfg]).float()
+        assert (got == exact.to(dtype).float()).float().mean() >= 0.99, cfg
+        assert ((got - exact).abs() <= ulp).all(), cfg
