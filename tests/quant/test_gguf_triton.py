@@ -89,6 +89,10 @@ def test_fused_kernel_matches_reference(tg, type_name: str) -> None:  # noqa: AN
             got = tg.fused_matmul(x, [seg], N, [cfg])
             assert got.dtype == torch.bfloat16 and got.shape == (m, N)
             assert _rel(got, ref) < 1e-2, (type_name, m, cfg)
+            # a mixed linear's segment lands in its columns of the linear's output, the others untouched
+            wide = torch.full((m, N + 24), float("nan"), dtype=torch.bfloat16)
+            assert tg.fused_matmul(x, [seg], N, [cfg], into=wide[:, 8 : 8 + N]).data_ptr() == wide[:, 8:].data_ptr()
+            assert torch.equal(wide[:, 8 : 8 + N], got) and wide[:, :8].isnan().all() and wide[:, 8 + N :].isnan().all()
 
 
 @pytest.mark.parametrize("type_name", PRIORITY + OTHERS)

@@ -417,7 +417,7 @@ def gemv_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch
                 x[0], seg, dst, cfg.block_n, cfg.num_warps, cfg.chunk, cfg.int8_x, cfg.rows_per_program, xq
             )
         else:
-            dst.copy_(fused_matmul(x, [seg.alone()], seg.rows)[0])
+            fused_matmul(x, [seg.alone()], seg.rows, into=out[:, seg.row_start : seg.row_start + seg.rows])
     return out
 
 
@@ -443,15 +443,21 @@ def int8_block_layout(segments: list[Segment]) -> BlockLayout | None:
 
 
 def fused_matmul(
-    x: torch.Tensor, segments: list[Segment], n_total: int, configs: list[KernelConfig] | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, segments: list[Segment], n_total: int, configs: list[KernelConfig] | None = None,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x [M, K] (contiguous) -> [M, n_total] in x's dtype with the fused kernel, one launch per
-    segment; `configs` (one per segment) overrides `config_for`."""
+    segment; `configs` (one per segment) overrides `config_for`. `into` [M, n_total] (a column slice
+    of a wider output, rows of unit column stride) receives the result instead of a new tensor: the
+    kernel writes there, or the split-K float32 sums are cast into it by one copy (a mixed linear's
+    segment took a cast and a copy)."""
     m, k = x.shape
     cfgs = configs or [config_for(s.type_name, s.rows, k, m) for s in segments]
     atomic = any(c.split_k > 1 for c in cfgs)
-    out = (torch.zeros if atomic else torch.empty)(m, n_total, dtype=torch.float32 if atomic else x.dtype,
-                                                   device=x.device)  # fmt: skip
+    if atomic:
+        out = torch.zeros(m, n_total, dtype=torch.float32, device=x.device)
+    else:
+        out = into if into is not None else torch.empty(m, n_total, dtype=x.dtype, device=x.device)
     for seg, cfg in zip(segments, cfgs, strict=True):
         bk = _fit_block_k(cfg.block_k, k, seg.fmt)
         n_iters = k // bk
@@ -465,7 +471,11 @@ def fused_matmul(
             Q6_K_TILE=_q6_k_tile_path(seg, x, bm), ASM=x.is_cuda, Q6_K_TRANSPOSED=q6_k_tile.TRANSPOSED,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    return out.to(x.dtype) if atomic else out
+    if not atomic:
+        return out
+    if into is None:
+        return out.to(x.dtype)
+    return into.copy_(out)
 
 
 def _q6_k_tile_path(seg: Segment, x: torch.Tensor, block_m: int) -> bool:
@@ -485,7 +495,7 @@ def i8_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.T
             xq = xq or triton_gguf_i8.quantize_x(x)
             triton_gguf_i8.matmul_into(dst, xq, seg)
         else:
-            dst.copy_(fused_matmul(x, [seg.alone()], seg.rows))
+            fused_matmul(x, [seg.alone()], seg.rows, into=dst)
     return out
 
 
