@@ -23,8 +23,9 @@ after every section so a timeout keeps what finished):
   batched    batched decode as the engine dispatches it (the int8 GEMM for Q4_K / Q5_K, the fused
              kernel for the others) on every GEMV_SHAPES segment at --i8-ms tokens, beside cuBLAS
              bf16: run on two checkouts on one machine to compare kernel versions
-  sweep      block sizes / split-K / warps of the fused kernel per (type, shape) at M = 16,
-             the best one installed in TUNED_CONFIGS (the engine sections use them)
+  sweep      block sizes / split-K / warps / stages / token tiles of the fused kernel per (type,
+             shape) at --sweep-ms tokens (16), the best one installed in TUNED_CONFIGS (the engine
+             sections use them)
   crossover  fused kernel vs dequantize + cuBLAS at M = 16..256 on the gate_up shape; sets
              FUSED_MAX_TOKENS to the largest M where fused wins
   q4_k_m_no_pdl  the Q4_K_M engine's batch-1 decode with programmatic dependent launch off
@@ -388,7 +389,13 @@ def _candidates(m: int) -> list[tg.KernelConfig]:
         ]
         return [tg.KernelConfig(bn, bk, s, w, 2, 1) for bn, bk, w in tiles for s in (1, 2, 4, 8)]
     tiles = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 64, 4)]
-    return [tg.KernelConfig(bn, bk, s, w, 2, 16) for bn, bk, w in tiles for s in (1, 2, 4)]
+    bm = max(16, tg.m_bucket(m))
+    out = [tg.KernelConfig(bn, bk, s, w, 2, bm) for bn, bk, w in tiles for s in (1, 2, 4)]
+    # Q6_K's 16-bit decode (q6_k_tile.py) won with 64 x 64 tiles on 3 stages at 16 and 32 tokens
+    out += [tg.KernelConfig(64, 64, s, 4, 3, bm) for s in (1, 2, 4, 8)]
+    if bm > 16:  # token tiles of half the step, the second reading the weights from L2
+        out += [tg.KernelConfig(64, 64, s, 4, 3, bm // 2) for s in (2, 4, 8)]
+    return out
 
 
 def section_batched(bench: Bench) -> dict[str, Any]:
@@ -423,9 +430,11 @@ def section_sweep(bench: Bench) -> dict[str, Any]:
         for name, n, k in SHAPES:
             if name == "head" and type_name == "Q4_K":
                 continue  # the Q4_K_M head is Q6_K
+            if bench.args.sweep_shapes and name not in bench.args.sweep_shapes.split(","):
+                continue
             seg, _ = _segment(type_name, n, k)
             bytes_read = seg.n_bytes()
-            for m in (16,):  # one token: the GEMV, swept in `gemv`
+            for m in (int(v) for v in bench.args.sweep_ms.split(",")):  # one token: the GEMV, swept in `gemv`
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 default = tg.config_for(type_name, n, k, m)
                 results = []
@@ -448,6 +457,8 @@ def section_sweep(bench: Bench) -> dict[str, Any]:
                     "GBps": bytes_read / best_t / 1e9, "tried": len(results),
                     "failed": sum(1 for r in results if r[2]),
                 }  # fmt: skip
+                print(f"sweep {type_name} {name} {n}x{k} M{m}: default {default_t * 1e6:.1f} us, best {best_t * 1e6:.1f} "
+                      f"{best}", flush=True)  # fmt: skip
     torch.cuda.empty_cache()
     return out
 
@@ -704,6 +715,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--gemv-types", help="gemv and batched sections: only these types (comma-separated)")
     parser.add_argument("--sweep-types", default=",".join(MAIN_TYPES), help="sweep section: these types")
+    parser.add_argument("--sweep-ms", default="16", help="sweep section: token counts (each above 1)")
+    parser.add_argument("--sweep-shapes", help="sweep section: only these shape names (e.g. down,head)")
     parser.add_argument("--gemv-shapes", help="gemv section: only these shape names (e.g. down,head)")
     parser.add_argument("--profile", action="store_true",
                         help="engine sections: also profile a batch-1 decode step and a pp512 step")
