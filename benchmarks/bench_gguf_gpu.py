@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import math
 import statistics
@@ -307,7 +308,7 @@ def _i8_candidates(type_name: str, n: int, k: int, m: int) -> list[ti8.I8Config]
     """Stream-K over the rule's tile (2-4 programs per SM), the split rule's tile with other K
     splits, steps and stages, 128-row tiles (4 or 8 warps), then mma.sync tiles (32 or 16 rows)."""
     split = partial(ti8.i8_config, type_name, n, k, m, stream=False)
-    out = [dataclasses.replace(split(), stream_per_sm=per_sm) for per_sm in (2, 3, 4)]
+    out = [] if type_name == "Q8_0" else [dataclasses.replace(split(), stream_per_sm=per_sm) for per_sm in (2, 3, 4)]
     for bn, warps in ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1)):
         for per_sm in (2, 4, 8):
             base = dataclasses.replace(split(per_sm), block_n=bn, num_warps=warps)
@@ -321,8 +322,10 @@ def section_i8(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     bw = bench.results.get("copy_bw")
     ms = [int(v) for v in bench.args.i8_ms.split(",")]
-    per_case = bench.args.sweep_seconds / (len(I8_SHAPES) * len(ms))
-    for type_name, name, n, k in I8_SHAPES:
+    types = bench.args.gemv_types.split(",") if bench.args.gemv_types else None
+    shapes = [s for s in I8_SHAPES if not types or s[0] in types]
+    per_case = bench.args.sweep_seconds / (len(shapes) * len(ms))
+    for type_name, name, n, k in shapes:
         seg, ref_w, copies, w16s = _timed_segment(type_name, n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -332,8 +335,9 @@ def section_i8(bench: Bench) -> dict[str, Any]:
             row["fused_us"] = 1e6 * graph_time([lambda s=c, v=x, n=n: tg.fused_matmul(v, [s], n) for c in copies])
             dst = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
-            def run(cfg: ti8.I8Config | None, s: tg.Segment, v: torch.Tensor = x, d: torch.Tensor = dst) -> None:
-                ti8.matmul_into(d, ti8.quantize_x(v), s, cfg)
+            def run(cfg: ti8.I8Config | None, s: tg.Segment, v: torch.Tensor = x, d: torch.Tensor = dst,
+                    t: str = type_name) -> None:  # fmt: skip
+                ti8.matmul_into(d, ti8.quantize_x(v, t), s, cfg)
 
             ti8.TUNED_CONFIGS.pop((type_name, n, k, 16), None)
             default = ti8.i8_config(type_name, n, k, m)
@@ -364,9 +368,11 @@ def section_i8(bench: Bench) -> dict[str, Any]:
                   f"cuBLAS bf16 {row['cublas_bf16_us']:.1f}; err {row['max_rel_err']:.1e}", flush=True)  # fmt: skip
         del seg, ref_w, w16s, copies
     torch.cuda.empty_cache()
-    what = "Q4_K linears of a Q4_K_M layer"
-    for m in ms:  # summed per path
-        rows = [v for key, v in out.items() if key.startswith("Q4_K ") and key.endswith(f" M{m}")]
+    for m, (type_name, what) in itertools.product(ms, (("Q4_K", "Q4_K linears of a Q4_K_M layer"), ("Q8_0", "Q8_0 layer"))):
+        rows = [v for key, v in out.items()
+                if key.startswith(f"{type_name} ") and key.endswith(f" M{m}") and " head " not in key]  # fmt: skip
+        if not rows:
+            continue
         tot = {c: sum(r[c] for r in rows) for c in ("cublas_bf16_us", "fused_us", "best_us")}
         tot["default_us"] = sum(r["default_us"] or math.nan for r in rows)
         out[f"{what} M{m}"] = tot
@@ -713,7 +719,7 @@ def main() -> None:
     parser.add_argument("--tmp", help="directory for the generated files (default: a new temp dir)")
     parser.add_argument("--gmu", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--gemv-types", help="gemv and batched sections: only these types (comma-separated)")
+    parser.add_argument("--gemv-types", help="gemv, i8 and batched sections: only these types (comma-separated)")
     parser.add_argument("--sweep-types", default=",".join(MAIN_TYPES), help="sweep section: these types")
     parser.add_argument("--sweep-ms", default="16", help="sweep section: token counts (each above 1)")
     parser.add_argument("--sweep-shapes", help="sweep section: only these shape names (e.g. down,head)")

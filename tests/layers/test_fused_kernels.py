@@ -149,7 +149,7 @@ def _int4_blocks() -> "x_int8_blocks.BlockLayout":
 def _q4_k_blocks() -> "x_int8_blocks.BlockLayout":
     from paphos.quant.gguf.triton_gguf_i8 import x_layout
 
-    return x_layout(64)
+    return x_layout("Q4_K", 64)
 
 
 @pytest.mark.parametrize("producer", ["add_rmsnorm", "silu_and_mul"])

@@ -64,10 +64,25 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_supports() -> None:
-    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q5_K"))
+    assert all(supports(t, 4096) and supports(t, 14336) for t in ("Q4_K", "Q5_K", "Q8_0"))
     assert not supports("Q4_K", 4096 + 128)  # a partial x block
+    assert supports("Q8_0", 4096 + 128) and not supports("Q8_0", 4096 + 32)  # Q8_0's blocks are 128 values
     # measured slower than the fused kernel as int8 GEMMs (the module docstring), or never built
-    assert not any(supports(t, 4096) for t in ("Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "Q3_K", "Q2_K"))
+    assert not any(supports(t, 4096) for t in ("Q6_K", "Q4_0", "IQ4_XS", "Q3_K", "Q2_K"))
+
+
+def test_q8_0_reads_x_in_its_planes_code_order() -> None:
+    """Q8_0's int8 operands are its low plane's bytes as stored (planes.py's tile order); x's parts
+    come in the integer family's 8-bit block order, which must be that order."""
+    from paphos.quant.gguf.triton_gguf_i8 import x_layout
+
+    raw = _raw("Q8_0", 8, K, 1)
+    natural = planes._codes_and_scales(raw.reshape(-1, planes.type_size("Q8_0")), "Q8_0")["q"].reshape(8, K).long()
+    stored = planes.repack(raw, "Q8_0")["lo"].long()
+    layout = x_layout("Q8_0")
+    order = layout.make_order()
+    assert layout.xb == 128 and sorted(order.tolist()) == list(range(128))
+    assert torch.equal(stored, natural[:, (torch.arange(0, K, 128).reshape(-1, 1) + order).reshape(-1)])
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
@@ -108,7 +123,7 @@ def test_quantize_x_matches_reference(tg, ti8) -> None:  # noqa: ANN001
     assert torch.equal(sums, (254 * q[0] + q[1]).reshape(5, 3, 256).sum(-1).int())
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q8_0"])
 def test_gemm_matches_reference(tg, ti8, type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(split_k, "num_sms", lambda device: 1)  # stream-K: stream_per_sm programs in all
     raw = _raw(type_name, N, K, 2)
@@ -116,14 +131,14 @@ def test_gemm_matches_reference(tg, ti8, type_name: str, monkeypatch: pytest.Mon
     gen = torch.Generator().manual_seed(5)
     counters = split_k.counters(torch.device("cpu"))
     cases = ((2, ti8.I8Config(32, 16, 1, 2)), (9, ti8.I8Config(16, 16, 2, 1)), (16, ti8.I8Config(64, 16, 2)),
-             (29, ti8.I8Config(16, 16, 2)), (29, ti8.I8Config(32, 32, 2)),  # two token tiles, one
-             # stream-K: runs inside tiles and across them, one tile shared by up to four programs
-             (9, ti8.I8Config(16, 16, stream_per_sm=7)), (29, ti8.I8Config(16, 16, stream_per_sm=5)),
-             (29, ti8.I8Config(32, 32, stream_per_sm=3)))  # fmt: skip
+             (29, ti8.I8Config(16, 16, 2)), (29, ti8.I8Config(32, 32, 2)))  # two token tiles, one
+    if type_name != "Q8_0":  # stream-K (Q4_K's rule): runs inside tiles and across them, a tile shared by up to four programs
+        cases += ((9, ti8.I8Config(16, 16, stream_per_sm=7)), (29, ti8.I8Config(16, 16, stream_per_sm=5)),
+                  (29, ti8.I8Config(32, 32, stream_per_sm=3)))  # fmt: skip
     for m, cfg in cases:
         x = torch.randn(m, K, generator=gen).to(torch.bfloat16)
         out = torch.full((m, N), float("nan"))
-        ti8.matmul_into(out, ti8.quantize_x(x), seg, cfg)
+        ti8.matmul_into(out, ti8.quantize_x(x, type_name), seg, cfg)
         assert _rel(out, planes.reference_matmul(raw, type_name, x)) < 1e-4, (m, cfg)
         assert not counters.any()  # every split tile's counter is back to zero
 
@@ -156,7 +171,7 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
         start += raw.shape[0]
     quantized, gemms = [], []
     quantize, gemm = ti8.quantize_x, ti8.matmul_into
-    monkeypatch.setattr(ti8, "quantize_x", lambda x: quantized.append(x.shape[0]) or quantize(x))
+    monkeypatch.setattr(ti8, "quantize_x", lambda x, t: quantized.append(x.shape[0]) or quantize(x, t))
     monkeypatch.setattr(ti8, "matmul_into", lambda o, q, s, c=None: gemms.append((o.shape[0], s.rows)) or gemm(o, q, s, c))
     gen = torch.Generator().manual_seed(9)
     q5, q4 = ti8.I8_MAX_TOKENS["Q5_K"], ti8.I8_MAX_TOKENS["Q4_K"]
@@ -172,6 +187,26 @@ def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPat
     layout = tg.int8_block_layout(segs)
     assert layout == ti8.x_layout() and (layout.min_tokens, layout.max_tokens) == (2, q4)
     assert tg.int8_block_layout(segs[1:3]) is None  # Q6_K and Q3_K: the fused kernel
+
+
+def test_a_q8_0_segment_quantizes_x_in_its_own_layout(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A layer of Q8_0 and Q4_K segments: each type's int8 kernel reads x in its own layout (x
+    quantized once per layout); x's producer is told the layout of the larger segment."""
+    types, rows = ("Q8_0", "Q4_K"), (40, 16)
+    raws = [_raw(t, r, K, 21 + i) for i, (t, r) in enumerate(zip(types, rows, strict=True))]
+    segs, start = [], 0
+    for t, raw in zip(types, raws, strict=True):
+        segs.append(tg.Segment(t, start, raw.shape[0], K, planes.repack(raw, t)))
+        start += raw.shape[0]
+    layouts = []
+    quantize = ti8.quantize_x
+    monkeypatch.setattr(ti8, "quantize_x", lambda x, t: layouts.append(ti8.x_layout(t).name) or quantize(x, t))
+    x = torch.randn(12, K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ref = torch.cat([planes.reference_matmul(r, t, x) for r, t in zip(raws, types, strict=True)], 1)
+    assert _rel(tg.matmul(x, segs, start), ref) < 1e-2  # bf16 output
+    assert layouts == ["int8", "Q4_K"]
+    layout = tg.int8_block_layout(segs)  # Q8_0's 40 rows of 34 bytes a block outweigh Q4_K's 16 of 144
+    assert layout.name == "int8" and (layout.min_tokens, layout.max_tokens) == (2, ti8.I8_MAX_TOKENS["Q8_0"])
 
 
 # ---------------------------------------------------------------------------- the inline PTX
@@ -253,7 +288,31 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
         assert not re.search(r"ld\.shared(\.v\d)?\.[bus]8", ptx)
 
 
+def _q8_0_gemm(rows: int, k: int, tokens: int = 16) -> None:
+    """Q8_0 at the launch `i8_config` picks: the codes go from the pipeline's shared-memory stage to
+    the tensor cores as they are (wgmma: both operands by descriptor), one K=32 dot per scale
+    group."""
+    from paphos.quant.gguf import triton_gguf_i8 as ti8
+
+    cfg = ti8.i8_config("Q8_0", rows, k, tokens)
+    args = {"q_ptr": "*i8", "dx_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
+            "w_ptr": "*i8", "sc_ptr": "*i64"}  # fmt: skip
+    ints = dict(M=tokens, N=rows, K=k, stride_om=rows, iters_per_split=k // ti8.Q8_0_XB // cfg.split_k)
+    args |= {name: "i32" for name in ints}
+    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    ptx = compile_sm90(ti8._q8_0_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+    assert "cp.async" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
+    if cfg.num_warps < 4:  # the narrow layers' launch: mma.sync on 2 warps
+        assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col(\.satfinite)?\.s32\.s8\.s8", ptx)
+        return
+    n = 2 * cfg.block_m  # both x parts side by side
+    dots = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.s32\.s8\.s8 \{{[^}}]*\}}, %rd\d+, %rd\d+", ptx)
+    assert len(dots) == 4 * cfg.block_n // 64, ptx  # four groups a block, each by its own dot
+
+
 CASES = {
+    "q8_0-gate_up": (_q8_0_gemm, 28672, 4096), "q8_0-down": (_q8_0_gemm, 4096, 14336),
+    "q8_0-32-tokens-o": (_q8_0_gemm, 4096, 4096, 32), "q8_0-32-tokens-gate_up": (_q8_0_gemm, 28672, 4096, 32),
     "gate_up": (_gemm, 28672, 4096), "down": (_gemm, 4096, 14336), "mma.sync": (_gemm, 28672, 4096, True),
     "q5_k-gate_up": (_gemm, 28672, 4096, False, "Q5_K"), "q5_k-down": (_gemm, 4096, 14336, False, "Q5_K"),
     "32-tokens-gate_up": (_gemm, 28672, 4096, False, "Q4_K", 32), "32-tokens-o": (_gemm, 4096, 4096, False, "Q4_K", 32),

@@ -7,9 +7,10 @@ whose shards all have a format in `FORMATS` -> `prepare` repacks each run of sam
 raw blocks -> `apply(x)` -> `matmul`:
   - M == 1 (batch-1 decode, the head of one sampled row): `gemv_matmul`, triton_gemv's kernel for
     every linear format (the fused kernel below for IQ4 and Q3_K segments).
-  - M <= triton_gguf_i8.I8_MAX_TOKENS[type] (Q4_K 64, Q5_K 32): those segments through
-    triton_gguf_i8's int8 tensor-core kernel (`i8_matmul`; the others, and a type whose int8 kernel failed its
-    load-time check, through the fused kernel).
+  - M <= triton_gguf_i8.I8_MAX_TOKENS[type] (Q4_K 64, Q5_K and Q8_0 32): those segments through
+    triton_gguf_i8's int8 tensor-core kernels (`i8_matmul`: x quantized once per layout they
+    read; the others, and a type whose int8 kernel failed its load-time check, through the fused
+    kernel).
   - M <= FUSED_MAX_TOKENS rows: `_fused_kernel`, one launch per segment; each program owns BLOCK_N
     output rows and a slice of K (split-K), reads its packed planes once and accumulates in fp32;
     M == 1 multiplies and sums on the CUDA cores, 1 < M uses `tl.dot` on the dequantized bf16 tile
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paphos.layers import x_int8
+from paphos.layers import x_int8, x_int8_blocks
 from paphos.layers.x_int8_blocks import BlockLayout
 from paphos.quant.gguf import q6_k_tile, triton_gemv, triton_gguf_i8
 from paphos.quant.gguf.dequant import IQ4_KVALUES
@@ -247,21 +248,26 @@ def _fit_block_k(block_k: int, k: int, fmt: Format) -> int:
 
 def default_config(type_name: str, n: int, k: int, m: int) -> KernelConfig:
     """A launch configuration by rule (overridden by TUNED_CONFIGS): enough programs to fill the
-    GPU several times over, each reading a few KiB of weights per iteration. Q6_K's tiles of 16
-    and 32 tokens (q6_k_tile.py): 64 rows, 64 values of K a step, 3 stages, at most 8 K slices
-    (H100, 16 tokens, us against 32 x 128, 2 stages: the head 529.7 -> 436.3, down 92.7 -> 65.3, v
-    10.1 -> 9.4; the float32 decode before took 651.0 / 89.4 / 12.2)."""
+    GPU several times over, each reading a few KiB of weights per iteration. Short K steps on a
+    deeper pipeline (64 rows, 64 values of K a step, 3 stages, at most 8 K slices) where the H100
+    measured them faster: Q6_K's tiles of 16 and 32 tokens (q6_k_tile.py; 16 tokens, us against 32
+    x 128, 2 stages: the head 529.7 -> 436.3, down 92.7 -> 65.3, v 10.1 -> 9.4; the float32 decode
+    before took 651.0 / 89.4 / 12.2) and Q8_0's of 64 tokens (its int8 GEMM takes up to 32), K
+    split towards 2 programs per SM there as the sweep's winners were (against 64 x 128 on 2
+    stages: gate|up 173.3 -> 144.4 us unsplit, down 113.0 -> 107.4 in 8 slices; the head's winner,
+    424.3 against 454.7, had 2 stages; the engine at batch 64 7307 -> 7938 tok/s with the three)."""
     fmt = FORMATS[type_name]
     bm = 1 if m == 1 else max(16, _next_pow2(m))
-    q6_k = type_name == "Q6_K" and 1 < bm <= 32
-    bn, bk = (16, 256) if m == 1 else ((32 if bm <= 32 and not q6_k else 64), 64 if q6_k else 128)
+    q8_0_64 = type_name == "Q8_0" and bm == 64
+    short_steps = (type_name == "Q6_K" and 1 < bm <= 32) or q8_0_64
+    bn, bk = (16, 256) if m == 1 else ((32 if bm <= 32 and not short_steps else 64), 64 if short_steps else 128)
     bk = _fit_block_k(bk, k, fmt)
     n_iters = k // bk
     programs = math.ceil(n / bn)
-    split, max_split = 1, 8 if q6_k else n_iters
-    while programs * split < 4 * NUM_SMS_GUESS and n_iters // (split * 2) >= 4 and split < max_split:
+    split, max_split, per_sm = 1, 8 if short_steps else n_iters, 2 if q8_0_64 else 4
+    while programs * split < per_sm * NUM_SMS_GUESS and n_iters // (split * 2) >= 4 and split < max_split:
         split *= 2
-    return KernelConfig(bn, bk, split, 4, 3 if q6_k else 2, bm)
+    return KernelConfig(bn, bk, split, 4, 3 if short_steps else 2, bm)
 
 
 def _next_pow2(v: int) -> int:
@@ -437,9 +443,14 @@ def int8_input_layout(segments: list[Segment]) -> x_int8.Int8Layout | None:
 
 def int8_block_layout(segments: list[Segment]) -> BlockLayout | None:
     """The layout in which the int8 tensor-core kernel reads x at the token counts it runs at for
-    some of these segments (the layout worth having x's producer write), or None."""
-    limits = [triton_gguf_i8.I8_MAX_TOKENS[s.type_name] for s in segments if _int8_path(s, 2)]
-    return triton_gguf_i8.x_layout(max(limits)) if limits else None
+    the most weight bytes of these segments (the layout worth having x's producer write; a
+    segment of another layout quantizes x itself), or None."""
+    int8 = [s for s in segments if _int8_path(s, 2)]
+    if not int8:
+        return None
+    layout = triton_gguf_i8.x_layout(max(int8, key=lambda s: s.n_bytes()).type_name)
+    limits = [triton_gguf_i8.I8_MAX_TOKENS[s.type_name] for s in int8 if triton_gguf_i8.x_layout(s.type_name) == layout]
+    return dataclasses.replace(layout, max_tokens=max(limits))
 
 
 def fused_matmul(
@@ -488,12 +499,14 @@ def i8_matmul(x: torch.Tensor, segments: list[Segment], n_total: int) -> torch.T
     """x [M, K] -> [M, n_total]: triton_gguf_i8 for the segments it takes at M tokens (x quantized
     once), the fused kernel for the others."""
     out = torch.empty(x.shape[0], n_total, dtype=x.dtype, device=x.device)
-    xq = None
+    quantized: dict[BlockLayout, x_int8_blocks.BlockParts] = {}
     for seg in segments:
         dst = out[:, seg.row_start : seg.row_start + seg.rows]
         if _int8_path(seg, x.shape[0]):
-            xq = xq or triton_gguf_i8.quantize_x(x)
-            triton_gguf_i8.matmul_into(dst, xq, seg)
+            layout = triton_gguf_i8.x_layout(seg.type_name)
+            if layout not in quantized:
+                quantized[layout] = triton_gguf_i8.quantize_x(x, seg.type_name)
+            triton_gguf_i8.matmul_into(dst, quantized[layout], seg)
         else:
             fused_matmul(x, [seg.alone()], seg.rows, into=dst)
     return out

@@ -1,10 +1,11 @@
 """GGUF's int8 tensor-core GEMM for batched decode (2 to I8_MAX_TOKENS tokens a step) on the
-repacked planes (planes.py) of Q4_K and Q5_K (the bulk of Q4_K_M and Q5_K_M files); the other
-types keep triton_gguf's fused kernel (why: the end of this docstring).
+repacked planes (planes.py) of Q4_K and Q5_K (the bulk of Q4_K_M and Q5_K_M files) and Q8_0; the
+other types keep triton_gguf's fused kernel (why: the end of this docstring).
 
-Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x), seg)` for each segment of
-a supported type (`supports`); two launches per linear (x quantized once: Q4_K and Q5_K share
-the code order), one where x's producer wrote the parts (`x_layout`, paphos/layers/fused.py):
+Data flow: `triton_gguf.matmul` calls `matmul_into(out, quantize_x(x, type), seg)` for each
+segment of a supported type (`supports`); two launches per linear (x quantized once per layout:
+Q4_K and Q5_K share the code order), one where x's producer wrote the parts (`x_layout`,
+paphos/layers/fused.py):
   1. paphos/layers/x_int8_blocks.py: x -> two int8 parts per value, x = dx (q1 + q2 / 254)
      with one dx per token and block of XB = 256 values, in the order the kernel multiplies the
      plane's codes (`stream_order`).
@@ -20,8 +21,24 @@ the code order), one where x's producer wrote the parts (`x_layout`, paphos/laye
      dx / 254, the parts summed at the end. Q5_K (FIVE) is Q4_K with a fifth bit per code:
      sc (q + 16 b) = sc q + 16 (sc b), and sc b (at most 63) is one more int8 operand pair
      (`_fifth_bits`: the bits spread to bytes by one multiplication, times sc by another).
+  3. `_q8_0_kernel` (Q8_0: an int8 code and an fp16 scale per 32 values): the codes are the int8
+     operand as stored, so they go from the software pipeline's shared-memory stage to the tensor
+     cores untouched (wgmma with both operands by descriptor); x in the integer family's 8-bit
+     blocks of 128 (triton_int_i8.x_layout(8): its order is the Q8_0 plane's tile order, so x's
+     producers write it as they do for W8 layers). A block is four K=32 dots, one per scale group,
+     all issued before the first result is read; each group's two x parts are joined in int32,
+     times its scale (a row's four as one int64) in float32, the sum times dx.
 So the only roundings are x's quantization (about 15 bits) and float32 sums; K must be a
-multiple of 256.
+multiple of 256 (Q8_0: 128).
+
+Q8_0, H100, us (`i8` and `batched`; x's launch included): at 16 tokens q|k|v 22.3 (the fused
+kernel 23.7, cuBLAS bf16 20.6), o 17.0 (17.0, 15.8), gate|up 68.0 (84.0, 79.3), down 41.1 (44.5,
+43.8), the head 257.4 (326.2, 360.7); at 32 tokens the layer's four 201.4 against the fused
+kernel's 243.6 (bf16 160.0) and the head 345.2 against 482.4. An earlier Q8_0 kernel of the same
+plan (below) lost: its codes went through registers into an operand layout (and the scales
+through a barrier each), where these reach the tensor cores as loaded. The engine on a Q8_0 file:
+batch 16 2396 -> 2601 tok/s (1.03x bf16's 2520), batch 32 3453 -> 4285 (benchmarks/README.md,
+"GGUF Q8_0 on the int8 tensor cores").
 
 Q4_K's 16-token tiles run by stream-K (`_q4_k_stream_kernel`, split_k.py) where `i8_config` says
 so: 2 programs per SM (two of the kernel's 221-244 registers a thread fill a multiprocessor) take
@@ -52,8 +69,8 @@ bf16's 118.9 on an H200; one K=32 dot per sub-block with its scale applied to th
 before the next (a wait on every dot): 250.5 against 170.2 on an H100.
 
 Measured and dropped (same run): int8 kernels for the types whose scale covers 16 or 32 values
-(Q8_0, Q4_0 .. Q5_1, IQ4_NL: a K=32 dot per group, joined and scaled in float32 per group;
-Q6_K, IQ4_XS: a dot per chunk with the signed scales applied in int32) lost to the fused
+(Q8_0 before `_q8_0_kernel`, Q4_0 .. Q5_1, IQ4_NL: a K=32 dot per group, joined and scaled in
+float32 per group; Q6_K, IQ4_XS: a dot per chunk with the signed scales applied in int32) lost to the fused
 kernel at every launch swept (mma.sync 16-64 rows, wgmma 64-128): Q8_0 layer 176.9 against
 169.5, Q6_K down 113.2 against 79.8 and its head 882 against 585, Q4_0 gate|up 109.8 against
 106.1, though their static counts were 2.3-2.5x below the fused kernel's. What the count misses:
@@ -70,7 +87,7 @@ import torch
 
 from paphos.layers import pdl, x_int8_blocks
 from paphos.layers.x_int8_blocks import BlockLayout
-from paphos.quant.kernels import x_blocks
+from paphos.quant.kernels import triton_int_i8, x_blocks
 from paphos.quant.kernels.triton_int_i8 import I8Config
 
 try:
@@ -82,16 +99,22 @@ try:
 except ImportError:  # CPU-only installs: the torch reference (planes.reference_matmul) serves
     triton = None
 
-XB = 256  # K values per x block: one dx per token and block, the kernel's K step
+XB = 256  # K values per x block of Q4_K / Q5_K: one dx per token and block, the kernel's K step
+Q8_0_XB = 128  # Q8_0's x blocks: the integer family's 8-bit layout (`Q8_0_X`), the kernel's K step
 # Up to this many tokens a step the int8 path runs per type (above: the fused kernel, then
 # cuBLAS): Q4_K in tiles of 32 tokens from 17 on (`i8_config`; a Q4_K_M layer's Q4_K linears at
 # 64 tokens 279.9 us against the fused kernel's 366.2, H100), Q5_K in tiles of 16 (32 a tile
 # spills there; at 64 tokens 232.2 against the fused kernel's 226.9 on gate|up).
-I8_MAX_TOKENS = {"Q4_K": 64, "Q5_K": 32}
+I8_MAX_TOKENS = {"Q4_K": 64, "Q5_K": 32, "Q8_0": 32}
+
+
+def block_values(type_name: str) -> int:
+    """K values per x block (and kernel step) of the type's int8 GEMM."""
+    return Q8_0_XB if type_name == "Q8_0" else XB
 
 
 def supports(type_name: str, k: int) -> bool:
-    return type_name in I8_MAX_TOKENS and k % XB == 0
+    return type_name in I8_MAX_TOKENS and k % block_values(type_name) == 0
 
 
 def stream_order() -> torch.Tensor:
@@ -307,6 +330,72 @@ if triton is not None:
                                slice_id, sharing, True, ASM)  # fmt: skip
             at += it1 - it0
 
+    @triton.jit
+    def _fp16_at(words, G: tl.constexpr):
+        """fp16 number G of each int64 (bits 16 G ..) as float32."""
+        return ((words >> (16 * G)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q8_0_tile(
+        q_ptr, dx_ptr, w_ptr, sc_ptr, M, N, K, pid_n, pid_m, it0, it1, BN: tl.constexpr, BM: tl.constexpr,
+    ):  # fmt: skip
+        """float32 out^T [BN rows, BM tokens] of tile (pid_n, pid_m) over x blocks it0 .. it1 (128
+        values each) of a Q8_0 plane: the codes are int8 operands as stored (no unpacking, straight
+        from the pipeline's shared-memory stage to the tensor cores), one K=32 dot per scale group;
+        the four dots of a block go out before the first result is read, then each group's int32
+        dot meets its fp16 scale (the four of a row's block read as one int64) and the block's dx in
+        float32. x's parts are the integer family's 8-bit blocks (`Q8_0_X`: the plane's tile order)."""
+        n_blocks = K // 128
+        rows, row_ok, ms, m_ok, first, tok, tok_ok, _, _ = x_blocks.program_tile(
+            pid_n, pid_m, 0, N, M, n_blocks, n_blocks, BN, BM
+        )
+        x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 32)
+        x_ok = tok_ok[None, :]
+        r64 = rows.to(tl.int64)
+        w_rows = w_ptr + r64[:, None] * K + tl.arange(0, 32)[None, :]
+        s_words = r64 * n_blocks  # a row's four group scales of a block: one int64
+        weight = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        w_ok = row_ok[:, None]
+        for it in range(it0, it1):
+            k0 = it * 128
+            d0 = tl.dot(tl.load(w_rows + k0, mask=w_ok, other=0), tl.load(x_cols + k0, mask=x_ok, other=0),
+                        out_dtype=tl.int32)  # fmt: skip
+            d1 = tl.dot(tl.load(w_rows + (k0 + 32), mask=w_ok, other=0), tl.load(x_cols + (k0 + 32), mask=x_ok, other=0),
+                        out_dtype=tl.int32)  # fmt: skip
+            d2 = tl.dot(tl.load(w_rows + (k0 + 64), mask=w_ok, other=0), tl.load(x_cols + (k0 + 64), mask=x_ok, other=0),
+                        out_dtype=tl.int32)  # fmt: skip
+            d3 = tl.dot(tl.load(w_rows + (k0 + 96), mask=w_ok, other=0), tl.load(x_cols + (k0 + 96), mask=x_ok, other=0),
+                        out_dtype=tl.int32)  # fmt: skip
+            s = tl.load(sc_ptr + s_words + it, mask=row_ok, other=0)
+            dx = tl.load(dx_ptr + ms * n_blocks + it, mask=m_ok, other=0.0) * (1.0 / 254.0)
+            # each group's parts joined in int32 first (a thread holds both columns of a token), so
+            # the float step runs once per token (|254 d| < 2^27)
+            block = (x_blocks.sum_parts(d0 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 0)[:, None]
+                     + x_blocks.sum_parts(d1 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 1)[:, None]
+                     + x_blocks.sum_parts(d2 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 2)[:, None]
+                     + x_blocks.sum_parts(d3 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 3)[:, None])  # fmt: skip
+            acc += block * dx[None, :]
+        return acc, rows, row_ok, ms, m_ok
+
+    @triton.jit
+    def _q8_0_kernel(
+        q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, M, N, K, stride_om, iters_per_split,
+        BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out [M, N] = x W^T of a Q8_0 plane for BN rows and BM tokens per program, x blocks it0 ..
+        it1 of K per program along grid axis 2 (`_q8_0_tile`)."""
+        pdl.release(PDL)
+        pdl.wait(PDL)
+        it0 = tl.program_id(2) * iters_per_split
+        it1 = tl.minimum(it0 + iters_per_split, K // 128)
+        acc, rows, row_ok, ms, m_ok = _q8_0_tile(
+            q_ptr, dx_ptr, w_ptr, sc_ptr, M, N, K, tl.program_id(1), tl.program_id(0), it0, it1, BN, BM
+        )
+        split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
+                           tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
+                           tl.num_programs(2), SPLIT, ASM)  # fmt: skip
+
 # ---------------------------------------------------------------------------- launches
 
 
@@ -330,14 +419,26 @@ def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 
     17.5 us, gate|up 55.9 -> 50.5, down 32.7 -> 29.1; o, 3.9 super-blocks a run, 14.6 -> 16.2
     stays split; Q5_K's gate|up 69.5 -> 71.0 stays split); otherwise K split while the grid stays
     within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks (q|k
-    2 slices, o and down 4; `stream=False`: always so). A per-shape entry of TUNED_CONFIGS wins."""
-    bm = 32 if type_name == "Q4_K" and m > 16 else 16
+    2 slices, o and down 4; `stream=False`: always so). Q8_0 by the H100 sweep's winners: 16-token
+    tiles of layers with fewer 64-row tiles than multiprocessors (a Llama-3-8B q|k|v, o and down)
+    on 2 warps (mma.sync) in 4 K slices (22.3 / 17.0 / 41.1 us against the rule above's 26.4 /
+    18.7 / 45.8), the wider ones (gate|up, the head) unsplit on 4 stages (71.5 -> 68.0, 314.6 ->
+    257.4); its 32-token tiles by the split rule (the sweep's best, gate|up in 128-row tiles at 89.2
+    against 103.6 us, spills a 128 x 32 tile's four int32 dot results). A per-shape entry of
+    TUNED_CONFIGS wins."""
+    bm = 32 if type_name in ("Q4_K", "Q8_0") and m > 16 else 16
     tuned = TUNED_CONFIGS.get((type_name, rows, k, bm))
     if tuned is not None:
         return tuned
     block_n = 64
+    if type_name == "Q8_0":
+        row_tiles = math.ceil(rows / block_n)
+        if bm == 16:
+            if row_tiles >= split_k.NUM_SMS_GUESS:
+                return I8Config(block_n, bm, 1, 4, 4)
+            return I8Config(block_n, bm, max(1, min(4, k // Q8_0_XB // 2)), 2, 3)
     tiles = math.ceil(rows / block_n) * math.ceil(m / bm)
-    blocks, split = k // XB, 1
+    blocks, split = k // block_values(type_name), 1
     programs = STREAM_PER_SM * split_k.NUM_SMS_GUESS
     if stream and type_name == "Q4_K" and bm == 16 and tiles * blocks >= STREAM_MIN_RUN * programs:
         return I8Config(block_n, bm, stream_per_sm=STREAM_PER_SM)
@@ -353,15 +454,21 @@ def scale_words(type_name: str, cfg: I8Config) -> bool:
     return type_name == "Q5_K" or cfg.block_m > 16 or cfg.stream_per_sm > 0
 
 
-def x_layout(max_tokens: int = 0) -> BlockLayout:
-    """How the kernel reads x: `stream_order` blocks of XB (it reads the parts and dx; the
-    minimum has a dot of its own, not x's sums); `max_tokens` as in triton_int_i8.x_layout."""
+def x_layout(type_name: str = "Q4_K", max_tokens: int = 0) -> BlockLayout:
+    """How the type's kernel reads x (its parts and dx; Q4_K's minimum has a dot of its own, not
+    x's sums; `max_tokens` as in triton_int_i8.x_layout): Q4_K and Q5_K `stream_order` blocks of
+    XB, Q8_0 the integer family's 8-bit blocks of 128, whose order is the Q8_0 plane's code order
+    (planes.py's tile order, 16-value tile groups of 4 words, as int_layout.py's 8-bit planes), so
+    x's producers already write it for W8 layers."""
+    if type_name == "Q8_0":
+        return triton_int_i8.x_layout(8, 2, max_tokens)
     return BlockLayout("Q4_K", stream_order, XB, XB, 2, max_tokens)
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> its (parts, dx, sums) in `x_layout`: attached by x's producer, else one launch."""
-    return x_int8_blocks.quantize(x, x_layout())
+def quantize_x(x: torch.Tensor, type_name: str = "Q4_K") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> its (parts, dx, sums) in the type's `x_layout`: attached by x's producer, else one
+    launch."""
+    return x_int8_blocks.quantize(x, x_layout(type_name))
 
 
 def matmul_into(
@@ -377,6 +484,14 @@ def matmul_into(
     cfg = cfg or i8_config(seg.type_name, n, k, m)
     tiles = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     p = seg.planes
+    if seg.type_name == "Q8_0":
+        cut = split_k.slices(k // Q8_0_XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
+        _q8_0_kernel[(*tiles, cut.count)](
+            parts, dx, out, cut.partials, cut.counters, p["lo"], p["sc"].view(torch.int64), m, n, k, out.stride(0),
+            cut.per, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl.options(out),
+        )  # fmt: skip
+        return
     lo = p["lo"].view(torch.uint8)
     # sc / mn: a row's eight 6-bit values of a super-block as one int64 (`_sub_block_bytes`)
     planes = (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"].view(torch.int64), p["sd"],

@@ -252,7 +252,7 @@ def _o_proj_layouts() -> list[tuple[str, Int8Outputs]]:
     return [
         ("gemv 4-bit", Int8Outputs(gemv=x_int8.Int8Layout(4, 4))),
         ("int4 blocks of 128", Int8Outputs(blocks=int_layout(4, 3, 32))),
-        ("q4_k blocks of 256", Int8Outputs(blocks=q4_k_layout(64))),  # two 128-wide heads a program
+        ("q4_k blocks of 256", Int8Outputs(blocks=q4_k_layout("Q4_K", 64))),  # two 128-wide heads a program
     ]
 
 
@@ -298,7 +298,7 @@ def test_merge_programs_cover_the_units_read_at_that_row_count() -> None:
     blocks (two heads)."""
     from paphos.quant.gguf.triton_gguf_i8 import x_layout as q4_k_layout
 
-    wanted = Int8Outputs(gemv=x_int8.Int8Layout(4, 4), blocks=q4_k_layout(64))
+    wanted = Int8Outputs(gemv=x_int8.Int8Layout(4, 4), blocks=q4_k_layout("Q4_K", 64))
     one_row = torch.empty(1, 32, 128, dtype=torch.bfloat16)
     heads, parts = ta._reduce_outputs(one_row, wanted, False, 128)
     assert heads == 1 and parts.constexprs["QLO"] == 4 and parts.constexprs["BXB"] == 0
