@@ -36,9 +36,9 @@ kernel 23.7, cuBLAS bf16 20.6), o 17.0 (17.0, 15.8), gate|up 68.0 (84.0, 79.3), 
 43.8), the head 257.4 (326.2, 360.7); at 32 tokens the layer's four 201.4 against the fused
 kernel's 243.6 (bf16 160.0) and the head 345.2 against 482.4. An earlier Q8_0 kernel of the same
 plan (below) lost: its codes went through registers into an operand layout (and the scales
-through a barrier each), where these reach the tensor cores as loaded. The engine on a Q8_0 file:
-batch 16 2396 -> 2601 tok/s (1.03x bf16's 2520), batch 32 3453 -> 4285 (benchmarks/README.md,
-"GGUF Q8_0 on the int8 tensor cores").
+through a barrier each), where these reach the tensor cores as loaded. The engine on a Q8_0 file,
+with `i8_config`'s rule: batch 16 2411 -> 2836 tok/s (1.13x bf16's 2504), batch 32 3449 -> 4279
+(benchmarks/README.md, "GGUF Q8_0 on the int8 tensor cores").
 
 Q4_K's 16-token tiles run by stream-K (`_q4_k_stream_kernel`, split_k.py) where `i8_config` says
 so: 2 programs per SM (two of the kernel's 221-244 registers a thread fill a multiprocessor) take
@@ -100,7 +100,7 @@ except ImportError:  # CPU-only installs: the torch reference (planes.reference_
     triton = None
 
 XB = 256  # K values per x block of Q4_K / Q5_K: one dx per token and block, the kernel's K step
-Q8_0_XB = 128  # Q8_0's x blocks: the integer family's 8-bit layout (`Q8_0_X`), the kernel's K step
+Q8_0_XB = 128  # Q8_0's x blocks: the integer family's 8-bit layout (`x_layout`), the kernel's K step
 # Up to this many tokens a step the int8 path runs per type (above: the fused kernel, then
 # cuBLAS): Q4_K in tiles of 32 tokens from 17 on (`i8_config`; a Q4_K_M layer's Q4_K linears at
 # 64 tokens 279.9 us against the fused kernel's 366.2, H100), Q5_K in tiles of 16 (32 a tile
@@ -344,7 +344,7 @@ if triton is not None:
         from the pipeline's shared-memory stage to the tensor cores), one K=32 dot per scale group;
         the four dots of a block go out before the first result is read, then each group's int32
         dot meets its fp16 scale (the four of a row's block read as one int64) and the block's dx in
-        float32. x's parts are the integer family's 8-bit blocks (`Q8_0_X`: the plane's tile order)."""
+        float32. x's parts are the integer family's 8-bit blocks (`x_layout`: the plane's tile order)."""
         n_blocks = K // 128
         rows, row_ok, ms, m_ok, first, tok, tok_ok, _, _ = x_blocks.program_tile(
             pid_n, pid_m, 0, N, M, n_blocks, n_blocks, BN, BM
