@@ -78,7 +78,7 @@ from timing import graph_time  # noqa: E402
 
 from paphos import LLM  # noqa: E402
 from paphos.layers import pdl  # noqa: E402
-from paphos.quant.gguf import planes  # noqa: E402
+from paphos.quant.gguf import launch, planes  # noqa: E402
 from paphos.quant.gguf import triton_gguf as tg  # noqa: E402
 from paphos.quant.gguf import triton_gguf_i8 as ti8  # noqa: E402
 from paphos.quant.gguf.dequant import dequantize  # noqa: E402
@@ -199,7 +199,7 @@ def section_q6_k_tile(bench: Bench) -> dict[str, Any]:
         lo = (scale - hi).to(dtype).float()
         part = (codes * lo.repeat_interleave(16, 1)).to(dtype).float()
         expected = (codes * hi.repeat_interleave(16, 1) + part).to(dtype)
-        engine = tg.default_config("Q6_K", n, k, 16)  # its 16-token tile, one K slice (no float32 sums)
+        engine = launch.default_config("Q6_K", n, k, 16)  # its 16-token tile, one K slice (no float32 sums)
         for cfg in (tg.KernelConfig(engine.block_n, engine.block_k, 1, 4, 3, 16), tg.KernelConfig(32, 128, 1, 4, 2, 16)):
             got = tg.fused_matmul(torch.eye(k, dtype=dtype, device="cuda"), [seg], n, [cfg]).t()
             name = f"{str(dtype).removeprefix('torch.')} {cfg.block_n}x{cfg.block_k}"
@@ -395,7 +395,7 @@ def _candidates(m: int) -> list[tg.KernelConfig]:
         ]
         return [tg.KernelConfig(bn, bk, s, w, 2, 1) for bn, bk, w in tiles for s in (1, 2, 4, 8)]
     tiles = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 64, 4)]
-    bm = max(16, tg.m_bucket(m))
+    bm = max(16, launch.m_bucket(m))
     out = [tg.KernelConfig(bn, bk, s, w, 2, bm) for bn, bk, w in tiles for s in (1, 2, 4)]
     # Q6_K's 16-bit decode (q6_k_tile.py) won with 64 x 64 tiles on 3 stages at 16 and 32 tokens
     out += [tg.KernelConfig(64, 64, s, 4, 3, bm) for s in (1, 2, 4, 8)]
@@ -456,7 +456,7 @@ def section_sweep(bench: Bench) -> dict[str, Any]:
                         continue
                     results.append((t, cfg, None))
                 best_t, best, _ = min(results, key=lambda r: r[0])
-                tg.TUNED_CONFIGS[(type_name, n, k, tg.m_bucket(m))] = best
+                launch.TUNED_CONFIGS[(type_name, n, k, launch.m_bucket(m))] = best
                 default_t = results[0][0]
                 out[f"{type_name} {name} {n}x{k} M{m}"] = {
                     "best_us": best_t * 1e6, "best": best.__dict__, "default_us": default_t * 1e6,
@@ -731,7 +731,7 @@ def main() -> None:
     args = parser.parse_args()
     bench = Bench(args)
     run_sections(bench, args.sections.split(","), globals())
-    bench.results["tuned_configs"] = {str(k): v.__dict__ for k, v in tg.TUNED_CONFIGS.items()}
+    bench.results["tuned_configs"] = {str(k): v.__dict__ for k, v in launch.TUNED_CONFIGS.items()}
     bench.results["gemv_configs"] = {str(k): v.__dict__ for k, v in tg.GEMV_CONFIGS.items()}
     bench.results["i8_configs"] = {str(k): v.__dict__ for k, v in ti8.TUNED_CONFIGS.items()}
     bench.save()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from paphos.layers import x_int8, x_int8_outputs
-from paphos.quant.gguf import planes
+from paphos.quant.gguf import launch, planes
 from paphos.quant.gguf.dequant import dequantize
 from paphos.quant.gguf.kernels import GGUFShard
 from tests.quant import ptx_sim
@@ -302,7 +302,7 @@ def test_q6_k_tile_rounds_each_weight_once(tg, dtype: torch.dtype, transposed: b
     seg = tg.Segment("Q6_K", 0, N, K, planes.repack(raw, "Q6_K"))
     exact = dequantize(raw, "Q6_K").t()
     ulp = exact.abs() * (2.0**-7 if dtype == torch.bfloat16 else 2.0**-10)
-    engine = tg.default_config("Q6_K", N, K, 16)
+    engine = launch.default_config("Q6_K", N, K, 16)
     for cfg in (tg.KernelConfig(engine.block_n, engine.block_k, 1, 4, 3, 16), tg.KernelConfig(32, 128, 1, 4, 2, 16)):
         got = tg.fused_matmul(torch.eye(K, dtype=dtype), [seg], N, [cfg]).float()
         assert (got == exact.to(dtype).float()).float().mean() >= 0.99, cfg
