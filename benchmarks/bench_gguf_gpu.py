@@ -15,12 +15,12 @@ after every section so a timeout keeps what finished):
              the best installed in GEMV_CONFIGS; GB/s of the planes read and fraction of copy
              BW, next to cuBLAS on the same shape in bf16 (2 bytes per weight); an integer-dot
              call includes its launch quantizing x
-  i8         the int8 tensor-core kernel (triton_gguf_i8: Q4_K, Q5_K) per shape at --i8-ms tokens: its
+  i8         the int8 tensor-core kernel (triton_gguf_i8: Q4_K, Q5_K, Q8_0) per shape at --i8-ms tokens: its
              default launch and a sweep of tiles / warps / stages / K split targets (the best installed in triton_gguf_i8.TUNED_CONFIGS for the engine
              sections after it), beside the fused kernel and cuBLAS bf16 on the same shape
              (CUDA-graph replays cycling through copies larger than L2; times include x's
              quantizing launch); relative error against the float32 reference
-  batched    batched decode as the engine dispatches it (the int8 GEMM for Q4_K / Q5_K, the fused
+  batched    batched decode as the engine dispatches it (the int8 GEMM for Q4_K / Q5_K / Q8_0, the fused
              kernel for the others) on every GEMV_SHAPES segment at --i8-ms tokens, beside cuBLAS
              bf16: run on two checkouts on one machine to compare kernel versions
   sweep      block sizes / split-K / warps / stages / token tiles of the fused kernel per (type,

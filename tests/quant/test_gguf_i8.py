@@ -1,4 +1,4 @@
-"""GGUF's int8 tensor-core path for Q4_K and Q5_K (paphos/quant/gguf/triton_gguf_i8.py).
+"""GGUF's int8 tensor-core path for Q4_K, Q5_K and Q8_0 (paphos/quant/gguf/triton_gguf_i8.py).
 
 - `stream_order` is the order of the codes in the kernel's operands, read from repacked planes
   the way the kernel reads them (a super-block's bytes' low nibbles, then high, Q5_K each with its
@@ -9,12 +9,15 @@
   exact), at 2, 9, 16 and 29 tokens (two 16-token tiles, one 32-token tile), one and several K slices, masked rows and
   tokens, 16- to 64-row programs.
 - `triton_gguf.matmul` takes this path from 2 to I8_MAX_TOKENS[type] tokens for the Q4_K and Q5_K
-  segments, the fused kernel for a layer's other segments, x quantized once.
+  segments, the fused kernel for a layer's other segments, x quantized once; a Q8_0 segment
+  reads x in the integer family's 8-bit blocks (its plane's code order), quantized once per
+  layout, and x's producer is told the layout of the largest int8 segment.
 - Every inline PTX body (the operand assembly the interpreter never runs) in a PTX simulator
   (tests/quant/ptx_sim.py) on random registers, against the same arithmetic.
 - The kernel compiles for sm_90 with both tritons in the rule's launches, no spills, PDL: wgmma
   with the codes in registers, the scale multiplication in the dot operand's layout (four codes
-  of one sub-block per register; a 32-row mma.sync program keeps it), Q5_K's fifth bits likewise.
+  of one sub-block per register; a 32-row mma.sync program keeps it), Q5_K's fifth bits likewise;
+  Q8_0's wgmma with both operands by descriptor (four dots a block), mma.sync on its narrow launch.
 """
 
 from __future__ import annotations
