@@ -152,8 +152,15 @@ def _q4_k_blocks() -> "x_int8_blocks.BlockLayout":
     return x_layout("Q4_K", 64)
 
 
+def _q8_0_blocks() -> "x_int8_blocks.BlockLayout":
+    """GGUF Q8_0's: the integer family's 8-bit blocks of 128 (W8 layers read them too)."""
+    from paphos.quant.gguf.triton_gguf_i8 import I8_MAX_TOKENS, x_layout
+
+    return x_layout("Q8_0", I8_MAX_TOKENS["Q8_0"])
+
+
 @pytest.mark.parametrize("producer", ["add_rmsnorm", "silu_and_mul"])
-@pytest.mark.parametrize("make_layout", [_int4_blocks, _q4_k_blocks], ids=["int4", "q4_k"])
+@pytest.mark.parametrize("make_layout", [_int4_blocks, _q4_k_blocks, _q8_0_blocks], ids=["int4", "q4_k", "q8_0"])
 def test_producers_write_the_int8_block_parts_of_their_output(producer: str, make_layout) -> None:  # noqa: ANN001
     """At the token counts where the next linear runs an int8 tensor-core GEMM, the norm and SiLU x
     mul write their output's parts in that GEMM's block layout in the same kernel: bit for bit what

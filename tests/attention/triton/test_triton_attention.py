@@ -246,13 +246,14 @@ def test_forward_decode_reads_no_host_metadata_and_zeroes_padding_rows() -> None
 
 
 def _o_proj_layouts() -> list[tuple[str, Int8Outputs]]:
-    from paphos.quant.gguf.triton_gguf_i8 import x_layout as q4_k_layout
+    from paphos.quant.gguf.triton_gguf_i8 import x_layout as gguf_layout
     from paphos.quant.kernels.triton_int_i8 import x_layout as int_layout
 
     return [
         ("gemv 4-bit", Int8Outputs(gemv=x_int8.Int8Layout(4, 4))),
         ("int4 blocks of 128", Int8Outputs(blocks=int_layout(4, 3, 32))),
-        ("q4_k blocks of 256", Int8Outputs(blocks=q4_k_layout("Q4_K", 64))),  # two 128-wide heads a program
+        ("q4_k blocks of 256", Int8Outputs(blocks=gguf_layout("Q4_K", 64))),  # two 128-wide heads a program
+        ("q8_0 blocks of 128", Int8Outputs(blocks=gguf_layout("Q8_0", 32))),  # the 8-bit order, one head
     ]
 
 
