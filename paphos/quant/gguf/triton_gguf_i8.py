@@ -336,6 +336,20 @@ if triton is not None:
         return ((words >> (16 * G)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _group_dot(w_rows, x_cols, k, w_ok, x_ok):
+        """One Q8_0 scale group's K=32 int8 dot at K offset k, codes and x's parts as loaded: [BN, 2 BM]
+        int32."""
+        return tl.dot(tl.load(w_rows + k, mask=w_ok, other=0), tl.load(x_cols + k, mask=x_ok, other=0),
+                      out_dtype=tl.int32)  # fmt: skip
+
+    @triton.jit
+    def _group_scaled(d, weight, s, G: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
+        """Group G's dot with its two x parts joined in int32 first (a thread holds both columns of a
+        token, so the float step runs once per token; |254 d| < 2^27), times its fp16 scale (number G
+        of the row's int64 s): [BN, BM] float32."""
+        return x_blocks.sum_parts(d * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, G)[:, None]
+
+    @triton.jit
     def _q8_0_tile(
         q_ptr, dx_ptr, w_ptr, sc_ptr, M, N, K, pid_n, pid_m, it0, it1, BN: tl.constexpr, BM: tl.constexpr,
     ):  # fmt: skip
@@ -359,22 +373,15 @@ if triton is not None:
         w_ok = row_ok[:, None]
         for it in range(it0, it1):
             k0 = it * 128
-            d0 = tl.dot(tl.load(w_rows + k0, mask=w_ok, other=0), tl.load(x_cols + k0, mask=x_ok, other=0),
-                        out_dtype=tl.int32)  # fmt: skip
-            d1 = tl.dot(tl.load(w_rows + (k0 + 32), mask=w_ok, other=0), tl.load(x_cols + (k0 + 32), mask=x_ok, other=0),
-                        out_dtype=tl.int32)  # fmt: skip
-            d2 = tl.dot(tl.load(w_rows + (k0 + 64), mask=w_ok, other=0), tl.load(x_cols + (k0 + 64), mask=x_ok, other=0),
-                        out_dtype=tl.int32)  # fmt: skip
-            d3 = tl.dot(tl.load(w_rows + (k0 + 96), mask=w_ok, other=0), tl.load(x_cols + (k0 + 96), mask=x_ok, other=0),
-                        out_dtype=tl.int32)  # fmt: skip
+            # the four groups' dots go out before the first result is read
+            d0 = _group_dot(w_rows, x_cols, k0, w_ok, x_ok)
+            d1 = _group_dot(w_rows, x_cols, k0 + 32, w_ok, x_ok)
+            d2 = _group_dot(w_rows, x_cols, k0 + 64, w_ok, x_ok)
+            d3 = _group_dot(w_rows, x_cols, k0 + 96, w_ok, x_ok)
             s = tl.load(sc_ptr + s_words + it, mask=row_ok, other=0)
             dx = tl.load(dx_ptr + ms * n_blocks + it, mask=m_ok, other=0.0) * (1.0 / 254.0)
-            # each group's parts joined in int32 first (a thread holds both columns of a token), so
-            # the float step runs once per token (|254 d| < 2^27)
-            block = (x_blocks.sum_parts(d0 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 0)[:, None]
-                     + x_blocks.sum_parts(d1 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 1)[:, None]
-                     + x_blocks.sum_parts(d2 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 2)[:, None]
-                     + x_blocks.sum_parts(d3 * weight[None, :], BN, BM).to(tl.float32) * _fp16_at(s, 3)[:, None])  # fmt: skip
+            block = (_group_scaled(d0, weight, s, 0, BN, BM) + _group_scaled(d1, weight, s, 1, BN, BM)
+                     + _group_scaled(d2, weight, s, 2, BN, BM) + _group_scaled(d3, weight, s, 3, BN, BM))
             acc += block * dx[None, :]
         return acc, rows, row_ok, ms, m_ok
 
