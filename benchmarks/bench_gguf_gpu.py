@@ -1,9 +1,11 @@
 """GGUF on the GPU in one process: the Triton GGUF kernels checked and tuned on Llama-3-8B shapes,
 then the engine on a random Llama-3-8B-shaped Q4_K_M-style file and a Q8_0 file against bf16 dummy
-weights of the same shape, with llama.cpp's H200 figures (issue 7) as the reference column.
+weights of the same shape, against llama.cpp: its `llama-batched-bench` on the same files in the
+same run (section llamacpp), or else the H200 figures of an earlier lease (issues 7 and 18).
 
     PYTHONPATH=<carried wheels> python benchmarks/bench_gguf_gpu.py --out results/gguf_gpu.json \\
-        [--sections ceilings,kernels,sweep,crossover,q4_k_m,q8_0,bf16] [--q4km F.gguf] [--q8 F.gguf]
+        [--sections ceilings,kernels,sweep,crossover,q4_k_m,q8_0,bf16,llamacpp] [--q4km F.gguf] [--q8 F.gguf] \\
+        [--llamacpp-bin /tmp/llbuild/bin/llama-batched-bench]
 
 Sections (in this order; each one's failure is recorded and the rest go on; the JSON is rewritten
 after every section so a timeout keeps what finished):
@@ -33,8 +35,16 @@ after every section so a timeout keeps what finished):
              the weight bytes read per token, fraction of copy BW), batch-16 / 32 / 64 decode tok/s,
              pp512 tok/s, weight memory on the GPU (every parameter and buffer, embedding and head
              included, each also on its own) vs the file's tensor bytes, kernels chosen
-The GGUF files are generated into a temp dir (scripts/make_random_gguf.py) unless given; they
-have no vocabulary, so a synthetic tokenizer is passed (as bench_gpu.py does for dummy weights).
+  llamacpp   llama.cpp's `llama-batched-bench` (`--llamacpp-bin`, built with CUDA) on the same two
+             files, after the engine sections have freed the GPU: `-ngl 99 -fa on -b 2048 -ub 512
+             -npp 128 -ntg 128 -npl 1,16,64 -c 16384` (S_TG: decode tok/s at batch 1, 16, 64; S_PP)
+             and `-npp 512 -ntg 128 -npl 1 -c 1024` (pp512); each command, its parsed table, its log's
+             header lines (-lv 4: device, buffers, flash attention) and the llama.cpp commit are
+             recorded. When it ran, the table's llama.cpp figures and ratios
+             are these (same run); otherwise the hard-coded H200 ones.
+The GGUF files are generated into a temp dir (scripts/make_random_gguf.py) unless given, with a
+synthetic vocabulary so that llama.cpp loads them; Paphos ignores it and takes a synthetic
+tokenizer passed as an override (as bench_gpu.py does for dummy weights).
 """
 
 from __future__ import annotations
@@ -45,7 +55,11 @@ import gc
 import itertools
 import json
 import math
+import os
+import re
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,10 +99,12 @@ from paphos.quant.gguf.dequant import dequantize  # noqa: E402
 from paphos.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("ceilings", "kernels", "q6_k_tile", "gemv", "i8", "batched", "sweep", "crossover", "q4_k_m", "q4_k_m_no_pdl",
-            "q8_0", "bf16")
+            "q8_0", "bf16", "llamacpp")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "llama-3-8b.json"
-# llama.cpp built with CUDA on this H200, random Llama-3-8B-shaped files (issue 7): tg128, pp512;
-# batch-16 decode from `llama-batched-bench -npl 1,16,64` (issue 18)
+# llama.cpp built with CUDA on an H200 of an earlier lease, random Llama-3-8B-shaped files (issue 7):
+# tg128, pp512; batch-16 decode from `llama-batched-bench -npl 1,16,64` (issue 18). The fallback
+# reference when section llamacpp did not run in the same process.
+LLAMACPP_REFERENCE_DEVICE = "NVIDIA H200 (earlier lease)"
 LLAMACPP = {"q4_k_m": {"tg128": 278, "pp512": 9500, "b16": 2057}, "q8_0": {"tg128": 255, "pp512": 11100, "b16": 1958},
             "bf16": {"tg128": 208, "pp512": None, "b16": None}}  # F16 for the float row  # fmt: skip
 # (name, N, K) of the Llama-3-8B linears (qkv: q|k of one type + v, tested by parts)
@@ -133,6 +149,7 @@ class Bench:
         self.results: dict[str, Any] = {
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "triton": getattr(tg.triton, "__version__", None), "llamacpp_reference": LLAMACPP,
+            "llamacpp_reference_device": LLAMACPP_REFERENCE_DEVICE,
         }  # fmt: skip
         self.tmp = Path(args.tmp or tempfile.mkdtemp(prefix="paphos-gguf-bench-"))
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -615,7 +632,8 @@ def _run_engine(bench: Bench, kind: str, path: Path | None, batch1_only: bool = 
         gc.collect()
         torch.cuda.empty_cache()
     ref = LLAMACPP[kind]
-    out["vs_llamacpp"] = {
+    out["vs_llamacpp"] = {  # the H200 figures; same-run ratios: results["vs_llamacpp_same_run"]
+        "reference": LLAMACPP_REFERENCE_DEVICE,
         "tg128_ratio": out["batch1"]["tok_s"] / ref["tg128"] if "batch1" in out else None,
         "pp512_ratio": out["pp512"]["tok_s"] / ref["pp512"] if ref["pp512"] and "pp512" in out else None,
     }
@@ -626,10 +644,10 @@ def _gguf_path(bench: Bench, mix: str) -> Path:
     given = bench.args.q4km if mix == "q4_k_m" else bench.args.q8
     if given:
         return Path(given)
-    path = bench.tmp / f"random-llama3-8b-{mix}.gguf"
+    path = bench.tmp / f"random-llama3-8b-{mix}-vocab.gguf"  # with a vocabulary, for llama.cpp
     if not path.exists():
         t0 = time.perf_counter()
-        write_gguf(path, mix)
+        write_gguf(path, mix, vocab=True)
         bench.results.setdefault("generate_s", {})[mix] = round(time.perf_counter() - t0, 1)
     return path
 
@@ -659,6 +677,145 @@ def section_bf16(bench: Bench) -> dict[str, Any]:
     return _run_engine(bench, "bf16", None)
 
 
+# llama-batched-bench's table: PP, TG, B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s, T s, S t/s
+BATCHED_BENCH_COLUMNS = ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")
+_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+def parse_batched_bench(text: str) -> list[dict[str, float]]:
+    """The rows of llama-batched-bench's output: its markdown table (the default) or its JSONL lines
+    (`--output-format jsonl`), each as a dict keyed by BATCHED_BENCH_COLUMNS."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows.append({k: row[k] for k in BATCHED_BENCH_COLUMNS if k in row})
+        elif line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if len(cells) == len(BATCHED_BENCH_COLUMNS) and all(_NUMBER.match(c) for c in cells):
+                rows.append({k: (int(c) if k in ("pp", "tg", "pl", "n_kv") else float(c))
+                             for k, c in zip(BATCHED_BENCH_COLUMNS, cells, strict=True)})  # fmt: skip
+    return rows
+
+
+# the header lines worth keeping from llama-batched-bench's log (-lv 4: info)
+_INFO = re.compile(r"build:|Device \d+:|n_kv_max =|Flash Attention|kv_unified|n_ctx_seq  |file type|vocab type|"
+                   r"model buffer size|KV buffer size|compute buffer size|offloaded \d+/\d+ layers")
+
+
+def _tail(text: str | bytes | None, n: int = 3000) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-n:]
+
+
+def run_batched_bench(binary: str, model: Path, extra: list[str], timeout: float) -> dict[str, Any]:
+    """One llama-batched-bench run: the command, its wall time and parsed rows (with its header
+    lines: build, device, n_kv_max / flash_attn), or the error and the output's tail."""
+    cmd = [binary, "-m", str(model), *extra]
+    out: dict[str, Any] = {"command": shlex.join(cmd)}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        out.update(error=f"timed out after {timeout:.0f} s", stdout_tail=_tail(e.stdout), stderr_tail=_tail(e.stderr))
+        return out
+    except OSError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["rc"] = proc.returncode
+    text = proc.stdout + "\n" + proc.stderr
+    out["info"] = [line.strip() for line in text.splitlines() if _INFO.search(line)][:24]
+    out["rows"] = parse_batched_bench(proc.stdout) or parse_batched_bench(text)
+    if proc.returncode != 0 or not out["rows"]:
+        out["error"] = f"exit code {proc.returncode}" if proc.returncode else "no result rows in the output"
+        out["stdout_tail"], out["stderr_tail"] = _tail(proc.stdout), _tail(proc.stderr)
+    return out
+
+
+def _llamacpp_commit(args: argparse.Namespace) -> str | None:
+    if args.llamacpp_commit:
+        return args.llamacpp_commit
+    commit_file = Path(args.llamacpp_src) / "COMMIT" if args.llamacpp_src else None
+    return commit_file.read_text().strip() if commit_file and commit_file.is_file() else None
+
+
+def section_llamacpp(bench: Bench) -> dict[str, Any]:
+    """llama.cpp's llama-batched-bench on the engine sections' two files, in this process's run."""
+    args = bench.args
+    binary = args.llamacpp_bin
+    if not binary or not Path(binary).is_file():
+        raise FileNotFoundError(f"no llama-batched-bench at {binary!r} (--llamacpp-bin; benchmarks/README.md says how "
+                                "to build it)")  # fmt: skip
+    gc.collect()
+    free = total = 0
+    if torch.cuda.is_available():  # what the engine sections left to llama.cpp
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+    npl = [int(b) for b in args.llamacpp_npl.split(",")]
+    ctx = max(npl) * (128 + 128)  # prompts not shared: each sequence holds its 128 + 128 tokens
+    common = ["-ngl", "99", "-fa", args.llamacpp_fa, "-b", "2048", "-ub", "512", "-lv", "4",
+              *shlex.split(getattr(args, "llamacpp_extra", None) or "")]
+    out: dict[str, Any] = {
+        "binary": str(Path(binary).resolve()), "commit": _llamacpp_commit(args),
+        "gpu_free_GB_before": free / 1e9, "gpu_total_GB": total / 1e9,
+        "torch_reserved_GB_before": torch.cuda.memory_reserved() / 1e9 if torch.cuda.is_available() else 0,
+    }  # fmt: skip
+    for mix in ("q4_k_m", "q8_0"):
+        path = _gguf_path(bench, mix)
+        decode = run_batched_bench(binary, path, [*common, "-npp", "128", "-ntg", "128", "-npl", args.llamacpp_npl,
+                                                  "-c", str(ctx)], args.llamacpp_timeout)  # fmt: skip
+        prefill = run_batched_bench(binary, path, [*common, "-npp", "512", "-ntg", "128", "-npl", "1", "-c", "1024"],
+                                    args.llamacpp_timeout)  # fmt: skip
+        r: dict[str, Any] = {"file": str(path), "decode": decode, "pp512_run": prefill}
+        by_pl = {row["pl"]: row for row in decode.get("rows", []) if row.get("pp") == 128}
+        r["tg_tok_s"] = {str(pl): row["speed_tg"] for pl, row in sorted(by_pl.items())}
+        r["pp128_tok_s"] = {str(pl): row["speed_pp"] for pl, row in sorted(by_pl.items())}
+        pp512 = [row for row in prefill.get("rows", []) if row.get("pp") == 512 and row.get("pl") == 1]
+        r["pp512_tok_s"] = pp512[0]["speed_pp"] if pp512 else None
+        r["tg128_at_pp512_tok_s"] = pp512[0]["speed_tg"] if pp512 else None
+        if "error" in decode:
+            r["error"] = f"decode run: {decode['error']}"
+        out[mix] = r
+        print(f"llama.cpp {mix}: S_TG {r['tg_tok_s']} tok/s, pp512 {r['pp512_tok_s']} tok/s"
+              + (f" ({r['error']})" if "error" in r else ""), flush=True)  # fmt: skip
+    return out
+
+
+def llamacpp_reference(results: dict[str, Any], kind: str) -> tuple[dict[str, Any], bool]:
+    """(tg128, pp512, b16 of llama.cpp for `kind`, measured in this run?): section llamacpp's
+    batch-1 and batch-16 S_TG and pp512 where it ran on that file, else the H200 figures."""
+    measured = ((results.get("llamacpp") or {}).get(kind) or {})
+    tg = measured.get("tg_tok_s") or {}
+    if "1" in tg and "16" in tg:
+        return {"tg128": tg["1"], "pp512": measured.get("pp512_tok_s"), "b16": tg["16"], "b64": tg.get("64")}, True
+    return LLAMACPP[kind], False
+
+
+def same_run_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """Paphos / llama.cpp of this run, per file: batch 1, 16, 64 decode and pp512."""
+    out = {}
+    for kind in ("q4_k_m", "q8_0"):
+        ref, same = llamacpp_reference(results, kind)
+        r = results.get(kind) or {}
+        if not same or "batch1" not in r:
+            continue
+        ratio = {"batch1": r["batch1"]["tok_s"] / ref["tg128"]}
+        for b, key in ((16, "b16"), (64, "b64")):
+            tok_s = r.get(f"batch{b}", {}).get("tok_s")
+            if tok_s and ref.get(key):
+                ratio[f"batch{b}"] = tok_s / ref[key]
+        if ref.get("pp512") and "pp512" in r:
+            ratio["pp512"] = r["pp512"]["tok_s"] / ref["pp512"]
+        out[kind] = ratio
+    return out
+
+
 def print_table(results: dict[str, Any]) -> None:
     rows = [
         (
@@ -683,14 +840,17 @@ def print_table(results: dict[str, Any]) -> None:
             continue
         b1, mem = r["batch1"], r.get("memory", {})
         frac = b1.get("frac_copy_bw")
-        ref = LLAMACPP[kind]
+        ref, same = llamacpp_reference(results, kind)
+        source = " (same run)" if same else " (H200)"
         b16 = r.get("batch16", {}).get("tok_s", 0)
         bf16_b16 = (results.get("bf16") or {}).get("batch16", {}).get("tok_s")
-        b16_ratios = (f"{b16 / bf16_b16:.2f}" if bf16_b16 else "-") + (f" / {b16 / ref['b16']:.2f}" if ref["b16"] else "")
+        b16_ratios = (f"{b16 / bf16_b16:.2f}" if bf16_b16 else "-") + (
+            f" / {b16 / ref['b16']:.2f}{source}" if ref["b16"] else "")
         rows.append((
             kind, f"{b1['tok_s']:.0f}", f"{b1['GBps']:.0f}", f"{100 * frac:.0f}" if frac else "-", f"{b16:.0f}",
             b16_ratios, f"{r.get('batch32', {}).get('tok_s', 0):.0f}", f"{r.get('batch64', {}).get('tok_s', 0):.0f}",
-            f"{r.get('pp512', {}).get('tok_s', 0):.0f}", f"{ref['tg128']} / {ref['pp512'] or '-'}",
+            f"{r.get('pp512', {}).get('tok_s', 0):.0f}",
+            f"{ref['tg128']:.0f} / " + (f"{ref['pp512']:.0f}" if ref["pp512"] else "-") + source,
             f"{mem.get('weights_GB', 0):.2f}", f"{mem.get('file_tensor_GB', 0):.2f}" if "file_tensor_GB" in mem else "-",
         ))  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
@@ -702,6 +862,18 @@ def print_table(results: dict[str, Any]) -> None:
             ratio = f" = {mem['weights_over_file']:.3f} x file" if "weights_over_file" in mem else ""
             print(f"{kind} weights {mem['weights_GB']:.3f} GB{ratio}: embedding {mem['embedding_GB']:.3f} GB "
                   f"({mem['embedding']}), head {mem['head_GB']:.3f} GB ({mem['head']})")  # fmt: skip
+    measured = results.get("llamacpp") or {}
+    if "error" in measured:
+        print(f"llama.cpp section: {measured['error']}")
+    elif measured:
+        for kind in ("q4_k_m", "q8_0"):
+            m = measured.get(kind) or {}
+            tg = ", ".join(f"b{pl} {v:.0f}" for pl, v in (m.get("tg_tok_s") or {}).items())
+            print(f"llama.cpp (same run, {results.get('device')}, commit {measured.get('commit')}) {kind}: "
+                  f"S_TG {tg or '-'} tok/s, pp512 " + (f"{m['pp512_tok_s']:.0f}" if m.get("pp512_tok_s") else "-")
+                  + (f"; {m['error']}" if "error" in m else ""))  # fmt: skip
+    if not all(llamacpp_reference(results, kind)[1] for kind in ("q4_k_m", "q8_0")):
+        print(f"(H200): llama.cpp figures of {LLAMACPP_REFERENCE_DEVICE}, not of this machine")
     k = results.get("kernels", {})
     if "max_rel_err" in k:
         print(f"kernels: max rel err {k['max_rel_err']:.2e} ({'pass' if k['pass'] else 'FAIL'} < 1e-2)")
@@ -728,9 +900,21 @@ def main() -> None:
                         help="engine sections: also profile a batch-1 decode step and a pp512 step")
     parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time cap of each config sweep")
     parser.add_argument("--i8-ms", default="8,16", help="i8 and batched sections: token counts")
+    parser.add_argument("--llamacpp-bin", default=os.environ.get("LLAMA_BATCHED_BENCH_BIN",
+                        "/tmp/llbuild/bin/llama-batched-bench"), help="llamacpp section: llama-batched-bench")  # fmt: skip
+    parser.add_argument("--llamacpp-src", default=str(ROOT / ".srv" / "llama.cpp"),
+                        help="llamacpp section: the llama.cpp source it was built from (its COMMIT file is recorded)")
+    parser.add_argument("--llamacpp-commit", help="llamacpp section: the llama.cpp commit to record")
+    parser.add_argument("--llamacpp-npl", default="1,16,64", help="llamacpp section: batch sizes (-npl)")
+    parser.add_argument("--llamacpp-fa", default="on", choices=("on", "off", "auto"),
+                        help="llamacpp section: flash attention (-fa)")
+    parser.add_argument("--llamacpp-extra", help="llamacpp section: more llama-batched-bench arguments (one string)")
+    parser.add_argument("--llamacpp-timeout", type=float, default=240.0, help="llamacpp section: seconds per run")
     args = parser.parse_args()
     bench = Bench(args)
     run_sections(bench, args.sections.split(","), globals())
+    if "llamacpp" in bench.results:
+        bench.results["vs_llamacpp_same_run"] = same_run_ratios(bench.results)
     bench.results["tuned_configs"] = {str(k): v.__dict__ for k, v in launch.TUNED_CONFIGS.items()}
     bench.results["gemv_configs"] = {str(k): v.__dict__ for k, v in tg.GEMV_CONFIGS.items()}
     bench.results["i8_configs"] = {str(k): v.__dict__ for k, v in ti8.TUNED_CONFIGS.items()}

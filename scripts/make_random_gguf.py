@@ -1,6 +1,6 @@
 """Write a Llama-3-8B-shaped GGUF file with random blocks, for GPU benchmarks of the GGUF kernels.
 
-    python scripts/make_random_gguf.py OUT.gguf --mix q4_k_m|q8_0 [--layers 32] [--seed 0]
+    python scripts/make_random_gguf.py OUT.gguf --mix q4_k_m|q8_0 [--layers 32] [--seed 0] [--vocab] [--small]
 
 Shapes: 32 layers, hidden 4096, FFN 14336, 32 query / 8 KV heads of 128, vocab 128256, RoPE base
 500000 (benchmarks/configs/llama-3-8b.json). Mixes:
@@ -9,8 +9,13 @@ Shapes: 32 layers, hidden 4096, FFN 14336, 32 query / 8 KV heads of 128, vocab 1
           and the output head (Q6_K); norms F32. ~4.9 GB.
   q8_0    every matrix Q8_0 (embedding and head too); norms F32. ~8.5 GB.
 Blocks are random bytes with their fp16 scale fields replaced so that weights are ~N(0, 0.02)
-(finite, no overflow through 32 layers). The metadata has no vocabulary: load the file with a
-tokenizer override (`--tokenizer DIR`; benchmarks/bench_gguf_gpu.py writes a synthetic one).
+(finite, no overflow through 32 layers). Without `--vocab` the metadata has no vocabulary: load
+the file with a tokenizer override (`--tokenizer DIR`; benchmarks/bench_gguf_gpu.py writes a
+synthetic one). `--vocab` adds a synthetic sentencepiece-style ("llama") vocabulary of the same
+size (`<unk>`, `<s>`, `</s>`, the 256 byte tokens `<0x00>`..`<0xFF>`, then made-up pieces, with
+scores and token types) so that llama.cpp, which requires one, loads the file too; the tensors are
+the same with or without it (same seed, same bytes). `--small` writes a toy shape (hidden 256,
+FFN 512, vocab 512) for tests.
 Data are generated and written one tensor at a time (numpy, vectorised): a few seconds per GB.
 """
 
@@ -22,12 +27,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 
 LLAMA3_8B = {
     "layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256,
-    "rope_theta": 500000.0, "context": 8192, "rms_eps": 1e-5,
+    "rope_theta": 500000.0, "context": 8192, "rms_eps": 1e-5, "bos": 128000, "eos": 128001,
 }  # fmt: skip
+# A toy shape for tests (K-quant rows need multiples of 256 columns).
+SMALL = {**LLAMA3_8B, "hidden": 256, "ffn": 512, "heads": 4, "kv_heads": 2, "vocab": 512, "context": 512,
+         "bos": 1, "eos": 2}  # fmt: skip
 FILE_TYPES = {"q4_k_m": 15, "q8_0": 7}  # llama_ftype: MOSTLY_Q4_K_M, MOSTLY_Q8_0
 TARGET_STD = 0.02
 
@@ -78,11 +86,36 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
     return b.reshape(rows, -1)
 
 
-def write(path: Path, mix: str, n_layers: int = 32, seed: int = 0, verbose: bool = True) -> int:
-    """Write the file; returns its tensor bytes."""
+N_SPM_SPECIAL = 3  # <unk>, <s>, </s>
+
+
+def synthetic_vocab(n_vocab: int, bos: int, eos: int) -> tuple[list[str], list[float], list[int]]:
+    """(pieces, scores, token types) of a sentencepiece-style vocabulary of n_vocab entries: `<unk>`,
+    `<s>`, `</s>`, the byte tokens `<0x00>`..`<0xFF>` (llama.cpp finds the newline through
+    `<0x0A>`), then unique made-up pieces `▁p<i>`. The ids `bos` and `eos` (the file's BOS / EOS)
+    are control tokens; scores fall with the id, as in a sentencepiece model."""
+    if n_vocab < N_SPM_SPECIAL + 256:
+        raise ValueError(f"a vocabulary needs at least {N_SPM_SPECIAL + 256} entries, got {n_vocab}")
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [int(TokenType.UNKNOWN), int(TokenType.CONTROL), int(TokenType.CONTROL)] + [int(TokenType.BYTE)] * 256
+    pieces += [f"\u2581p{i}" for i in range(len(pieces), n_vocab)]
+    types += [int(TokenType.NORMAL)] * (n_vocab - len(types))
+    for special, text in ((bos, "<|begin_of_text|>"), (eos, "<|end_of_text|>")):
+        if special >= N_SPM_SPECIAL + 256:
+            pieces[special], types[special] = text, int(TokenType.CONTROL)
+    scores = [0.0] * (N_SPM_SPECIAL + 256) + [-float(i) for i in range(n_vocab - N_SPM_SPECIAL - 256)]
+    return pieces, scores, types
+
+
+def write(
+    path: Path, mix: str, n_layers: int = 32, seed: int = 0, verbose: bool = True, vocab: bool = False,
+    small: bool = False,
+) -> int:
+    """Write the file; returns its tensor bytes. `vocab`: add the synthetic vocabulary (for llama.cpp);
+    `small`: the toy shape SMALL instead of Llama-3-8B's."""
     if mix not in FILE_TYPES:
         raise ValueError(f"--mix must be one of {', '.join(FILE_TYPES)}, got {mix!r}")
-    c = {**LLAMA3_8B, "layers": n_layers}
+    c = {**(SMALL if small else LLAMA3_8B), "layers": n_layers}
     h, f, v = c["hidden"], c["ffn"], c["vocab"]
     kv = c["kv_heads"] * h // c["heads"]
     shapes: dict[str, tuple[int, int]] = {"token_embd.weight": (v, h), "output.weight": (v, h)}
@@ -97,7 +130,7 @@ def write(path: Path, mix: str, n_layers: int = 32, seed: int = 0, verbose: bool
     norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(n_layers) for n in ("attn_norm", "ffn_norm")]
 
     w = GGUFWriter(str(path), "llama")
-    w.add_name(f"random Llama-3-8B-shaped {mix.upper()}")
+    w.add_name(f"random {'toy' if small else 'Llama-3-8B'}-shaped {mix.upper()}")
     w.add_file_type(FILE_TYPES[mix])
     w.add_block_count(n_layers)
     w.add_context_length(c["context"])
@@ -109,8 +142,14 @@ def write(path: Path, mix: str, n_layers: int = 32, seed: int = 0, verbose: bool
     w.add_rope_freq_base(c["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_eps"])
     w.add_vocab_size(v)
-    w.add_bos_token_id(128000)
-    w.add_eos_token_id(128001)
+    w.add_bos_token_id(c["bos"])
+    w.add_eos_token_id(c["eos"])
+    if vocab:
+        pieces, scores, token_types = synthetic_vocab(v, c["bos"], c["eos"])
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores(scores)
+        w.add_token_types(token_types)
 
     order = ["token_embd.weight"] + [n for n in shapes if n.startswith("blk.")] + ["output.weight"]
     for name in order:
@@ -150,8 +189,10 @@ def main() -> None:
     p.add_argument("--mix", default="q4_k_m", choices=sorted(FILE_TYPES))
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", action="store_true", help="add a synthetic vocabulary (llama.cpp needs one)")
+    p.add_argument("--small", action="store_true", help="a toy shape (hidden 256, FFN 512, vocab 512)")
     a = p.parse_args()
-    write(a.out, a.mix, a.layers, a.seed)
+    write(a.out, a.mix, a.layers, a.seed, vocab=a.vocab, small=a.small)
 
 
 if __name__ == "__main__":
