@@ -53,7 +53,7 @@ VENVS: dict[str, tuple[list[str], str, list[str]]] = {
         ["gptqmodel==7.6.0"],
         "quant_fixtures.gptqmodel_fixtures",
         ["gptq-4b-g128-sym", "gptq-4b-g32-asym-actorder", "gptq-4b-g64-asym-v2", "gptq-8b-perchannel-sym",
-         "gptq-4b-g128-sym-lmhead", "awq-gemm-4b-g64"],
+         "gptq-4b-g128-sym-lmhead", "gptq-3b-g32-asym", "gptq-2b-g64-sym", "awq-gemm-4b-g64"],
     ),
     "qvenv-llmc": (
         ["llmcompressor==0.14.0.1"],

@@ -62,6 +62,7 @@ class AWQLayout:
             zeros=unpack_along_cols(layer.qzeros.data, 4, AWQ_ORDER).t().to(torch.float32).contiguous(),
             groups=None,
             shard_rows=tuple(getattr(layer, "output_sizes", (n,))),
+            bits=4,
         )
 
 

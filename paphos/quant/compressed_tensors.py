@@ -193,6 +193,7 @@ def _unpacked(layer: nn.Module, scheme: IntScheme, codes: torch.Tensor, packed_z
         zeros=zeros,
         groups=layer.weight_g_idx.data.long() if scheme.act_order else None,
         shard_rows=tuple(getattr(layer, "output_sizes", (n,))),
+        bits=scheme.bits,
     )
 
 

@@ -3,7 +3,8 @@
 Data flow: registry.select -> `GPTQConfig.from_quant_config(qc)` -> every decoder linear (and
 `lm_head` when the checkpoint quantized it) gets an `IntLinearMethod` with `GPTQLayout`.
 
-The layout, per linear (4-bit g128 shown; 8-bit packs 4 codes per word):
+The layout, per linear (4-bit g128 shown; 8-bit packs 4 codes per word, 2-bit 16; 3-bit codes run
+over word boundaries, 32 in every 3 words):
   qweight  int32 [K / 8, N]  8 codes per word along the input K: code j of word i is row 8i + j
   qzeros   int32 [G, N / 8]  zero points packed the same way along the output N
   scales   fp16  [G, N]      G = ceil(K / group_size) (the last group may be short)
@@ -11,7 +12,9 @@ The layout, per linear (4-bit g128 shown; 8-bit packs 4 codes per word):
                              groups with act-order (`desc_act`)
 w[k, n] = scales[g, n] * (q[k, n] - z[g, n]), g = g_idx[k]. The v1 format
 (`checkpoint_format: "gptq"`) stores z - 1, modulo 2**bits (a zero of 0 is stored as 2**bits - 1);
-v2 (`gptq_v2`) stores z.
+v2 (`gptq_v2`) stores z. 2- and 3-bit codes and zeros are widened to 4 bits at load (both
+shifted by 8 - 2**(bits-1): the same weights), so the 4-bit kernels run them; their planes take 2x
+and 4/3 of the checkpoint's bytes.
 
 Tensor parallelism (int_linear.py): a row-parallel rank takes its rows of qweight and g_idx and
 every group's scales and zeros, keeping those its rows use after loading.
@@ -19,6 +22,7 @@ every group's scales and zeros, keeping those its rows use after loading.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +45,8 @@ from paphos.quant.int_linear import (
 )
 from paphos.quant.modules import checkpoint_modules
 
+logger = logging.getLogger(__name__)
+
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 
 
@@ -59,10 +65,9 @@ class GPTQLayout:
         return self.act_order
 
     def create_params(self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype) -> None:
-        per = 32 // self.bits
         groups = groups_of(layer, self.group_size, replicated=True)
-        add_param(layer, "qweight", (input_size // per, output_size), torch.int32, output_dim=1, input_dim=0)
-        add_param(layer, "qzeros", (groups, output_size // per), torch.int32, output_dim=1, replicated=True)
+        add_param(layer, "qweight", (input_size * self.bits // 32, output_size), torch.int32, output_dim=1, input_dim=0)
+        add_param(layer, "qzeros", (groups, output_size * self.bits // 32), torch.int32, output_dim=1, replicated=True)
         # float32 holds the file's fp16 scales exactly; the kernels take them in the model dtype
         add_param(layer, "scales", (groups, output_size), torch.float32, output_dim=1, replicated=True)
         add_param(layer, "g_idx", (num_shards(layer), input_size), torch.int32, None, per_shard_loader(layer, True))
@@ -79,13 +84,18 @@ class GPTQLayout:
         if self.version == 1:
             zeros = (zeros + 1) & ((1 << self.bits) - 1)
         zeros = zeros.t()
-        symmetric = bool((zeros == 1 << (self.bits - 1)).all())
+        bits = max(self.bits, 4)
+        if bits != self.bits:  # widened: (q + c) - (z + c) is the same weight
+            shift = (1 << (bits - 1)) - (1 << (self.bits - 1))
+            codes, zeros = codes + shift, zeros + shift
+        symmetric = bool((zeros == 1 << (bits - 1)).all())
         return Unpacked(
             codes=codes.contiguous(),
             scales=layer.scales.data.t().contiguous(),
             zeros=None if symmetric else zeros.to(torch.float32).contiguous(),
             groups=layer.g_idx.data.long(),
             shard_rows=tuple(getattr(layer, "output_sizes", (n,))),
+            bits=bits,
         )
 
 
@@ -120,6 +130,9 @@ class GPTQConfig(IntQuantConfig):
             pattern = key[2:] if key[:2] in ("-:", "+:") else key
             merged = None if negative else _layout({**qc, **overrides}, version, f"dynamic.{key}.")
             dynamic.append((pattern, negative, merged))
+        for bits in sorted({layout.bits} | {d.bits for _, _, d in dynamic if d is not None} - {4, 8}):
+            logger.info("GPTQ %d-bit codes are widened to 4 bits at load: the 4-bit kernels run them, and their "
+                        "planes take %s of the checkpoint's bytes", bits, "2x" if bits == 2 else "4/3")  # fmt: skip
         return cls(layout, bool(qc.get("lm_head", False)), tuple(dynamic))
 
     def layout_of(self, module: str) -> GPTQLayout | None:
@@ -145,8 +158,8 @@ class GPTQConfig(IntQuantConfig):
 
 def _layout(qc: dict[str, Any], version: int, where: str) -> GPTQLayout:
     bits = qc.get("bits", 4)
-    if bits not in (4, 8):
-        raise QuantConfigError(field_value(f"{where}bits", bits, "4 or 8 bits are supported"))
+    if bits not in (2, 3, 4, 8):
+        raise QuantConfigError(field_value(f"{where}bits", bits, "2, 3, 4 or 8 bits are supported"))
     group_size = qc.get("group_size", 128)
     if not isinstance(group_size, int) or (group_size != -1 and (group_size <= 0 or group_size % 8)):
         raise QuantConfigError(field_value(f"{where}group_size", group_size, "a positive multiple of 8, or -1"))

@@ -33,9 +33,10 @@ any other rank starts.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -60,6 +61,7 @@ class Unpacked:
     zeros: torch.Tensor | None  # [N, G] float; None: 2**(bits - 1) (symmetric)
     groups: torch.Tensor | None  # [S, K] int64 group of each input row, per shard; None: contiguous
     shard_rows: tuple[int, ...]  # output rows of each shard (sum N)
+    bits: int  # the codes' width, the one the kernels take (a layout may widen its checkpoint's)
 
 
 class IntLayout(Protocol):
@@ -162,12 +164,11 @@ def keep_used_groups(u: Unpacked) -> Unpacked:
     order (so rows that were contiguous groups stay contiguous groups)."""
     assert u.groups is not None
     used = torch.unique(u.groups)
-    return Unpacked(
-        codes=u.codes,
+    return replace(
+        u,
         scales=u.scales[:, used].contiguous(),
         zeros=None if u.zeros is None else u.zeros[:, used].contiguous(),
         groups=torch.searchsorted(used, u.groups),
-        shard_rows=u.shard_rows,
     )
 
 
@@ -175,9 +176,20 @@ def num_shards(layer: nn.Module) -> int:
     return len(getattr(layer, "output_sizes", ())) or 1
 
 
+def packed_run(bits: int) -> tuple[int, int]:
+    """(values, int32 words) of the shortest run of `bits`-bit values that fills whole words: 32 /
+    bits values in one word where bits divides 32, 32 values in 3 words at 3 bits."""
+    common = math.gcd(32, bits)
+    return 32 // common, bits // common
+
+
 def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] -> int64 [R * 32 / bits, C]: value j of word r is row r * (32 / bits) + j, at
-    bits j * bits of the word."""
+    """int32 [R, C] -> int64 [R * 32 / bits, C]: the values of each column as one little-endian
+    bit stream down the rows, value v at bits v * bits of it; where bits divides 32, value j of
+    word r is row r * (32 / bits) + j, at bits j * bits of the word, and 3-bit values (GPTQ's) run
+    over word boundaries, 32 of them in every 3 words."""
+    if 32 % bits:
+        return _unpack_stream(packed, bits)
     per = 32 // bits
     words = packed.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
@@ -186,8 +198,12 @@ def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [R, C] -> int64 [R, C * 32 / bits]: value j of word c is column c * (32 / bits) +
-    j (or + order[j]), at bits j * bits of the word."""
+    """int32 [R, C] -> int64 [R, C * 32 / bits]: each row's values as one bit stream along the
+    columns (`unpack_along_rows`' rule), so where bits divides 32 value j of word c is column
+    c * (32 / bits) + j (or + order[j]), at bits j * bits of the word."""
+    if 32 % bits:
+        assert order is None
+        return _unpack_stream(packed.t(), bits).t()
     per = 32 // bits
     words = packed.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
@@ -195,6 +211,15 @@ def unpack_along_cols(packed: torch.Tensor, bits: int, order: tuple[int, ...] | 
     if order is not None:
         values = values[:, :, torch.argsort(torch.tensor(order, device=packed.device))]
     return values.reshape(packed.shape[0], -1)
+
+
+def _unpack_stream(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] -> int64 [R * 32 // bits, C]: value v of a column from bits v * bits ..
+    of its little-endian stream of R words, joined from two words where it straddles them."""
+    words = F.pad(packed.to(torch.int64) & 0xFFFFFFFF, (0, 0, 0, 1))  # a zero word past the end
+    start = torch.arange(packed.shape[0] * 32 // bits, device=packed.device) * bits
+    word, shift = start // 32, (start % 32)[:, None]
+    return (((words[word + 1] << 32) | words[word]) >> shift) & ((1 << bits) - 1)
 
 
 def dequantize(u: Unpacked, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -263,12 +288,13 @@ class IntLinearMethod:
         """Why a tensor-parallel rank cannot hold output rows `rows` (per checkpoint shard) and
         input rows `cols` of this layer's checkpoint tensors, or None (module docstring). The
         message names the tensor or the field."""
-        per = 32 // self.layout.bits
+        per, words = packed_run(self.layout.bits)
+        unit = "int32" if words == 1 else f"{words} int32s"
         for name in self.layout.packed_along_output:
             for s in rows:
                 if not s.is_whole and (s.start % per or s.length % per or s.padded % per):
                     return (
-                        f"{self.layer_name}.{name} packs {per} output columns per int32; a rank's columns "
+                        f"{self.layer_name}.{name} packs {per} output columns per {unit}; a rank's columns "
                         f"[{s.start}, {s.start + s.length}) of {s.full} are not whole words"
                     )
         if cols.is_whole:
@@ -276,7 +302,7 @@ class IntLinearMethod:
         for name in self.layout.packed_along_input:
             if cols.start % per or cols.length % per:
                 return (
-                    f"{self.layer_name}.{name} packs {per} input rows per int32; a rank's {cols.length} rows "
+                    f"{self.layer_name}.{name} packs {per} input rows per {unit}; a rank's {cols.length} rows "
                     f"of {cols.full} are not whole words"
                 )
         group = self.layout.group_size
@@ -301,7 +327,7 @@ class IntLinearMethod:
         else:
             reason = self._repack_for_int4pack(layer, u, group_size, perm)
         if reason is not None:
-            layer.register_buffer("dense_weight", dequantize(u, self.layout.bits, group_size, self.params_dtype), persistent=False)
+            layer.register_buffer("dense_weight", dequantize(u, u.bits, group_size, self.params_dtype), persistent=False)
             self.log.record(reason, self.layer_name)
         for name in checkpoint_params:
             delattr(layer, name)
@@ -314,7 +340,7 @@ class IntLinearMethod:
 
         n, k = u.codes.shape
         spec = int_layout.IntSpec(
-            bits=self.layout.bits, group_size=group_size, in_features=k, out_features=n,
+            bits=u.bits, group_size=group_size, in_features=k, out_features=n,
             has_zeros=u.zeros is not None, has_perm=perm is not None,
         )
         if not triton_int.supports(spec, u.codes.device, self.params_dtype):
@@ -335,7 +361,7 @@ class IntLinearMethod:
         from paphos.quant.kernels import int4pack_cpu
 
         n, k = u.codes.shape
-        if self.params_dtype != torch.bfloat16 or self.layout.bits != 4 or not int4pack_cpu.supported(n, k, group_size):
+        if self.params_dtype != torch.bfloat16 or u.bits != 4 or not int4pack_cpu.supported(n, k, group_size):
             return "dequantized at load (no packed kernel for this layer on this device)"
         codes = u.codes if perm is None else u.codes[:, perm]
         zeros = u.zeros if u.zeros is not None else torch.full_like(u.scales, 8.0)

@@ -95,14 +95,16 @@ def _awq_dequant(model) -> dict[str, torch.Tensor]:
     return weights
 
 
-def gptq(config_args: dict, notes: list[str] | None = None):
+def gptq(config_args: dict, notes: list[str] | None = None, **checks: float):
+    """A GPTQ fixture's maker; `checks` override ToolReference's sanity bounds (2-bit codes)."""
+
     def make(source: Path, out: Path) -> ToolReference:
         recipe = _quantize(source, out, config_args)
         model = _loaded(out, "GPTQ_TORCH")
         return ToolReference(
             tool=_tool(), recipe=recipe, dequant=_gptq_dequant(model), tool_forward=_forward(model),
             tool_logits_note="GPTQModel.load(backend=BACKEND.GPTQ_TORCH, dtype=float16) forward",
-            logits_tol=LOGITS_TOL, notes=notes or [],
+            logits_tol=LOGITS_TOL, notes=notes or [], **checks,
         )
 
     return make
@@ -143,6 +145,15 @@ def _fixtures() -> dict:
             dict(bits=4, group_size=128, desc_act=False, sym=True, format=FORMAT.GPTQ, lm_head=True),
             ["GPTQModel quantizes lm_head with its own per-module override, written to "
              "quantization_config.dynamic: {'lm_head': {'bits': 8, 'group_size': 32, 'sym': True, ...}}."],
+        ),
+        # 3-bit codes and zeros run over int32 boundaries (32 in every 3 words); both widths run
+        # on the 4-bit kernels after load
+        "gptq-3b-g32-asym": gptq(dict(bits=3, group_size=32, desc_act=False, sym=False, format=FORMAT.GPTQ)),
+        "gptq-2b-g64-sym": gptq(
+            dict(bits=2, group_size=64, desc_act=False, sym=True, format=FORMAT.GPTQ),
+            ["2-bit codes: four levels per group; the tiny model's weights land up to ~0.75 of their range "
+             "from the source's, so the fixture tests the numerics, not the quality."],
+            max_rel_weight_error=0.8,
         ),
         "awq-gemm-4b-g64": awq_gemm,
     }

@@ -42,7 +42,8 @@ DATA = Path(__file__).parent / "data"
 # Every fixture scripts/make_quant_fixtures.py makes; a missing one fails (never a silent skip).
 FIXTURES = (
     "gptq-4b-g128-sym", "gptq-4b-g32-asym-actorder", "gptq-4b-g64-asym-v2", "gptq-8b-perchannel-sym",
-    "gptq-4b-g128-sym-lmhead", "awq-gemm-4b-g64", "awq-gemm-4b-g64-autoawq", "ct-w4a16-sym-g64",
+    "gptq-4b-g128-sym-lmhead", "gptq-3b-g32-asym", "gptq-2b-g64-sym", "awq-gemm-4b-g64", "awq-gemm-4b-g64-autoawq",
+    "ct-w4a16-sym-g64",
     "ct-w4a16-asym-g64", "ct-w8a16-channel", "ct-w4a16-gptq-actorder-group", "ct-awq-asym-g64",
     "ct-fp8-dynamic", "ct-fp8-static", "ct-fp8-block", "ct-naive-w8a8", "exl2-4.0bpw-h6", "exl2-6.0bpw-h8",
     "ct-fp8-dynamic-kv",

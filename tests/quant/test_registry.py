@@ -58,7 +58,7 @@ def test_the_checkpoint_decides_and_the_flag_may_agree(model_dir: Path) -> None:
     ("quantization_config", "message"),
     [
         ({"quant_method": "bitsandbytes"}, r"config.json: quantization_config.quant_method = 'bitsandbytes' is not supported"),
-        (GPTQ | {"bits": 3}, r"config.json: quantization_config.bits = 3 is not supported: 4 or 8"),
+        (GPTQ | {"bits": 5}, r"config.json: quantization_config.bits = 5 is not supported: 2, 3, 4 or 8"),
         (GPTQ | {"checkpoint_format": "marlin"}, r"quantization_config.checkpoint_format = 'marlin'"),
         (GPTQ | {"group_size": 100}, r"quantization_config.group_size = 100"),
         ({"quant_method": "awq", "version": "gemv_fast"}, r"quantization_config.version = 'gemv_fast'"),
