@@ -188,7 +188,7 @@ def unpack_along_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     bit stream down the rows, value v at bits v * bits of it; where bits divides 32, value j of
     word r is row r * (32 / bits) + j, at bits j * bits of the word, and 3-bit values (GPTQ's) run
     over word boundaries, 32 of them in every 3 words."""
-    if 32 % bits:
+    if 32 % bits:  # (the word-wise form below holds half the temporaries on a large layer's load)
         return _unpack_stream(packed, bits)
     per = 32 // bits
     words = packed.to(torch.int64) & 0xFFFFFFFF
