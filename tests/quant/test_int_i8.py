@@ -72,7 +72,9 @@ def test_block_order_is_the_planes_byte_order(bits: int) -> None:
     spec = IntSpec(bits, 128, 256, 8, False, False)
     codes = _layer(spec, 1)[0]
     plane = int_layout.pack(codes, torch.ones(8, 2), None, spec, None)["qweight"].view(torch.uint8)
-    per_block = plane.reshape(8, 2, -1).long()  # [rows, blocks, bytes of a block]
+    # tiles of ROW_TILE rows x one block, the tiles along K (int_layout's docstring)
+    tiles = plane.reshape(8 // int_layout.ROW_TILE, 2, int_layout.ROW_TILE, -1)
+    per_block = tiles.transpose(1, 2).reshape(8, 2, -1).long()  # [rows, blocks, bytes of a block]
     stored = torch.cat([per_block & 15, per_block >> 4], -1) if bits == 4 else per_block ^ 0x80
     order = torch.arange(0, 256, 128).reshape(-1, 1) + block_order(bits)
     assert sorted(block_order(bits).tolist()) == list(range(128))
@@ -170,7 +172,8 @@ def _gemm(bits: int, zeros: bool, m: int) -> None:
     ints = dict(M=m, N=4096, K=4096, stride_w=4096 * bits // 8, stride_om=4096, group_shift=7,
                 iters_per_split=32 // cfg.split_k)  # fmt: skip
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BITS=bits, HAS_Z=zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    constexprs = dict(BITS=bits, HAS_Z=zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True,
+                      TT=spec.row_tile)  # fmt: skip
     ptx = compile_sm90(ti8._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     # 4-bit: the A operand (the unpacked codes) in registers, `{%r..}, {%r..}, descriptor`;
     # 8-bit: the stored bytes are the operand, read from shared memory (two descriptors)

@@ -242,7 +242,7 @@ def _gemm(bits: int, zeros: bool, dtype: str, m: int) -> None:
     args |= {name: "i32" for name in ints}
     constexprs = dict(BITS=bits, HAS_Z=zeros, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
                       ONE_GROUP=True, SPLIT=cfg.split_k > 1, ASM=True, PACKED=True, BYTES=by_bytes,
-                      SCALE_AFTER=by_bytes and cfg.scale_after, PDL=True)  # fmt: skip
+                      SCALE_AFTER=by_bytes and cfg.scale_after, PDL=True, TT=spec.row_tile)  # fmt: skip
     ptx = compile_sm90(ti._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "wgmma.mma_async" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
     if bits == 4:
@@ -269,7 +269,7 @@ def _gemv(bits: int, zeros: bool, k: int, m: int) -> None:
     args |= {name: "i32" for name in ints}
     constexprs = dict(BITS=bits, HAS_Z=zeros, BN=cfg.block_n, T=1 << (k // spec.tile_values - 1).bit_length(),
                       RPP=cfg.rows_per_program if m == 1 else cfg.block_n, MULTI=m > 1, ASM=True,
-                      PDL=True)  # fmt: skip
+                      PDL=True, TT=spec.row_tile)  # fmt: skip
     ptx = compile_sm90(ti._gemv_kernel, args, constexprs, cfg.num_warps, ints)
     assert "dp4a.s32.s32" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
 
@@ -295,7 +295,7 @@ def _dequant(bits: int) -> None:
         "z_ptr": "*bf16",
         **{n: "i32" for n in ints},
     }
-    constexprs = dict(BITS=bits, HAS_Z=True, BN=32, BK=128, ONE_GROUP=True, ASM=True)
+    constexprs = dict(BITS=bits, HAS_Z=True, BN=32, BK=128, ONE_GROUP=True, ASM=True, TT=int_layout.ROW_TILE)
     assert "STACK:0 " in compile_sm90(ti._dequant_kernel, args, constexprs, 4, ints)
 
 

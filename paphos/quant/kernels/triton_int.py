@@ -55,7 +55,8 @@ import torch.nn.functional as F
 
 from paphos.layers import pdl, x_int8
 from paphos.layers.x_int8_blocks import BlockLayout
-from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
+from paphos.quant.kernels import int_layout
+from paphos.quant.kernels.int_layout import BLOCK_VALUES, TILE_WORDS, IntSpec
 
 try:
     import triton
@@ -70,6 +71,7 @@ except ImportError:  # CPU-only installs: the torch reference serves
 
 if triton is not None:
     _TW = tl.constexpr(TILE_WORDS)
+    _BV = tl.constexpr(BLOCK_VALUES)
 
     @triton.jit
     def _nibbles(words, zero, scale, FP16: tl.constexpr, PACKED: tl.constexpr):
@@ -145,7 +147,7 @@ if triton is not None:
     def _tile4(
         wb_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_wb, group_shift,
         HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_GROUP: tl.constexpr, FP16: tl.constexpr,
-        ASM: tl.constexpr, SCALED: tl.constexpr,
+        ASM: tl.constexpr, SCALED: tl.constexpr, TT: tl.constexpr,
     ):  # fmt: skip
         """4-bit weights [BN, BK] of rows `rows`, K values k0 .. k0 + BK in K order, read as bytes
         (wb_ptr: the qweight plane as uint8, stride_wb bytes per row; one 16-byte load per row
@@ -155,8 +157,9 @@ if triton is not None:
         permuted into K order (one layout conversion, which the dot operand needs anyway)."""
         T: tl.constexpr = BK // 32
         c = tl.arange(0, BK // 2)  # byte c of the tile's row: tile group c // 16
-        b = tl.load(wb_ptr + rows.to(tl.int64)[:, None] * stride_wb + (k0 // 2 + c)[None, :], mask=row_ok[:, None],
-                    other=0)  # fmt: skip
+        at = int_layout.plane_offset(rows.to(tl.int64)[:, None], (k0 // 2 + c)[None, :], stride_wb, TT,
+                                     _BV // 2)  # fmt: skip
+        b = tl.load(wb_ptr + at, mask=row_ok[:, None], other=0)
         if ONE_GROUP:
             at = (k0 >> group_shift).to(tl.int64) * N + rows
             scale = tl.load(s_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None]
@@ -179,7 +182,7 @@ if triton is not None:
     def _dequant_tile(
         w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift,
         BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_GROUP: tl.constexpr,
-        FP16: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr,
+        FP16: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr, TT: tl.constexpr,
     ):  # fmt: skip
         """Weights [BN, BK] of rows `rows`, K values k0 .. k0 + BK in K order: in the 16-bit float
         type on the GPU (ASM), else float32 (the interpreter); 4-bit codes through packed 16-bit
@@ -191,7 +194,8 @@ if triton is not None:
         r = rows.to(tl.int64)[:, None, None]
         m3 = row_ok[:, None, None]
         t = k0 // TV + tl.arange(0, T)
-        words = tl.load(w_ptr + r * stride_w + (t * _TW)[None, :, None] + tl.arange(0, _TW)[None, None, :],
+        at = (t * _TW)[None, :, None] + tl.arange(0, _TW)[None, None, :]
+        words = tl.load(w_ptr + int_layout.plane_offset(r, at, stride_w, TT, _BV * BITS // 32),
                         mask=m3, other=0)  # fmt: skip
         if ONE_GROUP:
             at = (k0 >> group_shift).to(tl.int64) * N + rows
@@ -223,7 +227,7 @@ if triton is not None:
         stride_w, group_shift, iters_per_split,
         BITS: tl.constexpr, HAS_Z: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
         BK: tl.constexpr, ONE_GROUP: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr,
-        BYTES: tl.constexpr, SCALE_AFTER: tl.constexpr, PDL: tl.constexpr,
+        BYTES: tl.constexpr, SCALE_AFTER: tl.constexpr, PDL: tl.constexpr, TT: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x [M, K] W^T for BN rows and BM tokens per program, a slice of K per
         program along grid axis 1 (SPLIT: more than one slice; the last program of a tile to
@@ -250,10 +254,10 @@ if triton is not None:
             k0 = it * BK
             if BYTES:
                 w = _tile4(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, HAS_Z, BN, BK, ONE_GROUP,
-                           FP16, ASM, not SCALE_AFTER)  # fmt: skip
+                           FP16, ASM, not SCALE_AFTER, TT)  # fmt: skip
             else:
                 w = _dequant_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, BITS, HAS_Z, BN,
-                                  BK, ONE_GROUP, FP16, ASM, PACKED)  # fmt: skip
+                                  BK, ONE_GROUP, FP16, ASM, PACKED, TT)  # fmt: skip
             x = tl.load(x_rows + (k0 + tl.arange(0, BK))[:, None], mask=m_ok[None, :], other=0.0)  # [BK, BM]
             if not ASM:  # the interpreter multiplies bf16 as raw integers: float32 operands
                 x = x.to(tl.float32)
@@ -271,7 +275,7 @@ if triton is not None:
     def _dequant_kernel(
         out_ptr, w_ptr, s_ptr, z_ptr, row0, row_end, N, stride_w, group_shift, stride_o,
         BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_GROUP: tl.constexpr,
-        ASM: tl.constexpr,
+        ASM: tl.constexpr, TT: tl.constexpr,
     ):  # fmt: skip
         """Rows [row0, row_end) of the weights, in the kernel's K order, into out (its dtype)."""
         rows = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
@@ -279,20 +283,22 @@ if triton is not None:
         k0 = tl.program_id(1) * BK
         FP16: tl.constexpr = out_ptr.dtype.element_ty == tl.float16
         w = _dequant_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, N, stride_w, group_shift, BITS, HAS_Z, BN, BK,
-                          ONE_GROUP, FP16, ASM, True)  # fmt: skip
+                          ONE_GROUP, FP16, ASM, True, TT)  # fmt: skip
         o = out_ptr + (rows - row0).to(tl.int64)[:, None] * stride_o + (k0 + tl.arange(0, BK))[None, :]
         tl.store(o, w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
     def _gemv_loads(
-        w_ptr, s_ptr, z_ptr, rows, N, t, t_ok, g, stride_w, HAS_Z: tl.constexpr,
+        w_ptr, s_ptr, z_ptr, rows, N, t, t_ok, g, stride_w, HAS_Z: tl.constexpr, BITS: tl.constexpr,
+        TT: tl.constexpr,
     ):  # fmt: skip
         """A block of rows' code words [BN, T, 4] and their tile groups' scales and zeros [BN, T]
         (g: each tile group's scale group)."""
         r = rows.to(tl.int64)[:, None]
         m2 = (rows < N)[:, None] & t_ok[None, :]
         at = (t * _TW)[None, :, None] + tl.arange(0, _TW)[None, None, :]
-        words = tl.load(w_ptr + r[:, :, None] * stride_w + at, mask=m2[:, :, None], other=0)
+        words = tl.load(w_ptr + int_layout.plane_offset(r[:, :, None], at, stride_w, TT, _BV * BITS // 32),
+                        mask=m2[:, :, None], other=0)  # fmt: skip
         scale = tl.load(s_ptr + g[None, :] * N + r, mask=m2, other=0)
         zero = scale
         if HAS_Z:
@@ -323,7 +329,7 @@ if triton is not None:
     def _gemv_kernel(
         q_ptr, f_ptr, out_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_w, stride_om, group_shift,
         BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, RPP: tl.constexpr,
-        MULTI: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        MULTI: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, TT: tl.constexpr,
     ):  # fmt: skip
         """One program per RPP rows and the whole of K (T tile groups, a power of two >= K / TV).
         One token: x's int8 parts stay in registers, BN rows at a time, software-pipelined as the
@@ -337,7 +343,7 @@ if triton is not None:
         t_ok = t < K // TV
         g = ((t * TV) >> group_shift).to(tl.int64)
         rows = tl.program_id(0) * RPP + tl.arange(0, BN)
-        words, scale, zero = _gemv_loads(w_ptr, s_ptr, z_ptr, rows, N, t, t_ok, g, stride_w, HAS_Z)
+        words, scale, zero = _gemv_loads(w_ptr, s_ptr, z_ptr, rows, N, t, t_ok, g, stride_w, HAS_Z, BITS, TT)
         pdl.wait(PDL)
         n_groups = M * (K // TV)
         if MULTI:
@@ -352,7 +358,7 @@ if triton is not None:
             for rb in tl.static_range(0, RPP, BN):
                 if rb + BN < RPP:
                     words_n, scale_n, zero_n = _gemv_loads(w_ptr, s_ptr, z_ptr, rows + BN, N, t, t_ok, g, stride_w,
-                                                           HAS_Z)  # fmt: skip
+                                                           HAS_Z, BITS, TT)  # fmt: skip
                 _gemv_rows(
                     words, scale, zero, q1a, q1b, q2a, q2b, dx, xsum, rows, N, out_ptr, BITS, HAS_Z, ASM
                 )
@@ -571,7 +577,7 @@ def gemm(
         x.stride(0), out.stride(0), w.stride(0), spec.group_shift, cut.per,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BM=cfg.block_m, BN=cfg.block_n, BK=bk,
         ONE_GROUP=one_group, SPLIT=cut.split, ASM=_asm(x), PACKED=cfg.packed_math, BYTES=by_bytes,
-        SCALE_AFTER=by_bytes and one_group and cfg.scale_after,
+        SCALE_AFTER=by_bytes and one_group and cfg.scale_after, TT=spec.row_tile,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
     )  # fmt: skip
     return out
@@ -611,7 +617,7 @@ def gemv(
         xq.words, xq.scales, out, w, planes["scales"], _zeros_plane(planes), m, n, k, w.stride(0), out.stride(0),
         spec.group_shift,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, T=triton.next_power_of_2(k // spec.tile_values), RPP=rpp,
-        MULTI=m > 1, ASM=_asm(x), num_warps=cfg.num_warps, **pdl.options(x),
+        MULTI=m > 1, ASM=_asm(x), TT=spec.row_tile, num_warps=cfg.num_warps, **pdl.options(x),
     )  # fmt: skip
     return out
 
@@ -626,7 +632,7 @@ def dequantize_into(planes: dict[str, torch.Tensor], spec: IntSpec, row0: int, r
     _dequant_kernel[grid](
         dst, w, planes["scales"], _zeros_plane(planes), row0, row_end, spec.out_features, w.stride(0),
         spec.group_shift, dst.stride(0), BITS=spec.bits, HAS_Z=spec.has_zeros, BN=block_n, BK=bk,
-        ONE_GROUP=bk <= spec.group_size, ASM=dst.is_cuda, num_warps=4,
+        ONE_GROUP=bk <= spec.group_size, ASM=dst.is_cuda, TT=spec.row_tile, num_warps=4,
     )  # fmt: skip
 
 

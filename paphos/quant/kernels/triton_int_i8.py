@@ -29,8 +29,10 @@ K loop at the 16-token rule (128 rows, 4 warps) instead of 338, 4.33 a weight by
 5.12 (benchmarks/int8_sass.py's count on this kernel). Measured after it (H100, 16 tokens,
 bench_int_gpu.py): a Llama-3-8B layer's four linears 85.8 us, 1.93x cuBLAS bf16, gate|up 35.3 us
 at 57 % of copy bandwidth; with the parts written by x's producers (no quantizing launch: `i8_fed`)
-82.7 us against 86.7 in the same run, 1.98x. Timings: benchmarks/README.md, "The int8
-tensor-core path" and "o_proj's input written by the attention merge".
+82.7 us against 86.7 in the same run, 1.98x; with the planes in tiles of 4 rows (each K step
+reads 32 runs of 256 contiguous bytes, int_layout.plane_offset) 84.1 -> 75.6 us, gate|up at 69 %.
+Timings: benchmarks/README.md, "The int8 tensor-core path", "o_proj's input written by the
+attention merge" and "Integer planes in tiles of 4 rows".
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from paphos.layers import pdl, x_int8_blocks
 from paphos.layers.x_int8_blocks import BlockLayout
-from paphos.quant.kernels import x_blocks
+from paphos.quant.kernels import int_layout, x_blocks
 from paphos.quant.kernels.int_layout import TILE_WORDS, IntSpec
 
 try:
@@ -131,7 +133,7 @@ if triton is not None:
         q_ptr, dx_ptr, sum_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_w,
         stride_om, group_shift, iters_per_split,
         BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
-        ASM: tl.constexpr, PDL: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr, TT: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, blocks it0 .. it1 of K per
         program along grid axis 1 (SPLIT: several slices, the last program of a tile to finish
@@ -147,7 +149,8 @@ if triton is not None:
             pid_n, pid_m, pid_k, N, M, n_blocks, iters_per_split, BN, BM
         )
         NB: tl.constexpr = 128 * BITS // 8  # bytes of a row per block
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w + tl.arange(0, NB)[None, :]
+        # block it of these rows starts it * TT * NB bytes after block 0 (int_layout.plane_offset)
+        w_rows = w_ptr + int_layout.plane_offset(rows.to(tl.int64)[:, None], tl.arange(0, NB)[None, :], stride_w, TT, NB)
         x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, NB)  # [NB, 2 BM]
         x_ok = tok_ok[None, :]
         weight = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2
@@ -162,7 +165,7 @@ if triton is not None:
                 s_ptr, z_ptr, dx_ptr, sum_ptr, tl.minimum(it + 1, it1 - 1), rows, row_ok, ms, m_ok, N, n_blocks,
                 group_shift, BITS, HAS_Z,
             )  # fmt: skip
-            wb = tl.load(w_rows + it * NB, mask=row_ok[:, None], other=0)
+            wb = tl.load(w_rows + it * (TT * NB), mask=row_ok[:, None], other=0)
             if BITS == 4:
                 lo, hi = nibbles_i8(wb, ASM)
                 d = tl.dot(lo, tl.load(x_cols + k0, mask=x_ok, other=0), out_dtype=tl.int32)
@@ -240,6 +243,6 @@ def matmul(
         parts, dx, sums, out, cut.partials, cut.counters, w, scales, planes.get("zeros", scales), m, n, k,
         w.stride(0), out.stride(0), spec.group_shift, cut.per,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=x.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
+        TT=spec.row_tile, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
     )  # fmt: skip
     return out
