@@ -81,7 +81,7 @@ def test_q8_0_reads_x_in_its_planes_code_order() -> None:
 
     raw = _raw("Q8_0", 8, K, 1)
     natural = planes._codes_and_scales(raw.reshape(-1, planes.type_size("Q8_0")), "Q8_0")["q"].reshape(8, K).long()
-    stored = planes.repack(raw, "Q8_0")["lo"].long()
+    stored = planes.repack(raw, "Q8_0", tile=False)["lo"].long()
     layout = x_layout("Q8_0")
     order = layout.make_order()
     assert layout.xb == 128 and sorted(order.tolist()) == list(range(128))
@@ -95,7 +95,7 @@ def test_stream_order_is_the_operands_code_order(type_name: str) -> None:
     natural = fields["q"].reshape(8, K).long()
     order = stream_order()
     assert sorted(order.tolist()) == list(range(256))
-    packed = planes.repack(raw, type_name)
+    packed = planes.repack(raw, type_name, tile=False)
     # per super-block: its bytes' low nibbles, then high (Q5_K: each with its fifth bit)
     b = packed["lo"].contiguous().view(torch.uint8).long().reshape(8, -1, 128)
     operands = torch.cat([b & 15, b >> 4], -1)
@@ -146,19 +146,21 @@ def test_gemm_matches_reference(tg, ti8, type_name: str, monkeypatch: pytest.Mon
         assert not counters.any()  # every split tile's counter is back to zero
 
 
-def test_the_rule_streams_q4_k_where_it_measured_faster() -> None:
-    """Stream-K for Q4_K's 16-token tiles where each program runs four super-blocks or more (a
-    Llama-3-8B layer's q|k, gate|up and down); o (3.9 a program), Q5_K and 32-token tiles keep the
-    split launch."""
+def test_the_rule_splits_q4_k_and_streams_when_asked() -> None:
+    """The split launch for every type (measured ahead of stream-K on the tiled planes); with
+    `stream`, stream-K for Q4_K's 16-token tiles where each program runs four super-blocks or more
+    (a Llama-3-8B layer's q|k, gate|up and down), the split launch for o (3.9 a program), Q5_K
+    and 32-token tiles."""
     from paphos.quant.gguf.triton_gguf_i8 import I8Config, i8_config
 
-    streamed = {(n, k) for n, k in ((5120, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-                if i8_config("Q4_K", n, k, 16).stream_per_sm}  # fmt: skip
+    shapes = ((5120, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    assert not any(i8_config("Q4_K", n, k, 16).stream_per_sm for n, k in shapes)
+    assert i8_config("Q4_K", 28672, 4096, 16) == I8Config(64, 16, 1)
+    streamed = {(n, k) for n, k in shapes if i8_config("Q4_K", n, k, 16, stream=True).stream_per_sm}
     assert streamed == {(5120, 4096), (28672, 4096), (4096, 14336)}
-    assert i8_config("Q4_K", 28672, 4096, 16).stream_per_sm == 2
-    assert not i8_config("Q5_K", 28672, 4096, 16).stream_per_sm
-    assert not i8_config("Q4_K", 28672, 4096, 32).stream_per_sm
-    assert i8_config("Q4_K", 28672, 4096, 16, stream=False) == I8Config(64, 16, 1)  # the split rule's launch
+    assert i8_config("Q4_K", 28672, 4096, 16, stream=True).stream_per_sm == 2
+    assert not i8_config("Q5_K", 28672, 4096, 16, stream=True).stream_per_sm
+    assert not i8_config("Q4_K", 28672, 4096, 32, stream=True).stream_per_sm
 
 
 def test_matmul_sends_batched_decode_here(tg, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -263,7 +265,7 @@ def _gemm(rows: int, k: int, mma_sync: bool = False, type_name: str = "Q4_K", to
             "smin_ptr": "*fp16"}  # fmt: skip
     ints = dict(M=tokens, N=rows, K=k, stride_om=rows)
     constexprs = dict(FIVE=type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, ASM=True, PDL=True,
-                      SCALE_WORDS=ti8.scale_words(type_name, cfg))  # fmt: skip
+                      SCALE_WORDS=ti8.scale_words(type_name, cfg), TT=planes.row_tile(type_name, rows, k))  # fmt: skip
     if not stream:
         ints["iters_per_split"] = k // 256 // cfg.split_k
         constexprs["SPLIT"] = cfg.split_k > 1
@@ -302,7 +304,8 @@ def _q8_0_gemm(rows: int, k: int, tokens: int = 16) -> None:
             "w_ptr": "*i8", "sc_ptr": "*i64"}  # fmt: skip
     ints = dict(M=tokens, N=rows, K=k, stride_om=rows, iters_per_split=k // ti8.Q8_0_XB // cfg.split_k)
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True)
+    constexprs = dict(BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True,
+                      TT=planes.row_tile("Q8_0", rows, k))  # fmt: skip
     ptx = compile_sm90(ti8._q8_0_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
     assert "cp.async" in ptx and "griddepcontrol.wait" in ptx and "STACK:0 " in ptx
     if cfg.num_warps < 4:  # the narrow layers' launch: mma.sync on 2 warps

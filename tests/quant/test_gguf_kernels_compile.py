@@ -44,7 +44,8 @@ def _integer_gemv(type_name: str, rows: int, k: int) -> None:
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
                       TW=fmt.tile_words, BN=cfg.block_n, T=1 << (k // fmt.tile_values - 1).bit_length(),
-                      RPP=cfg.rows_per_program, ASM=True, PDL=True)  # fmt: skip
+                      RPP=cfg.rows_per_program, ASM=True, PDL=True, TT=planes.row_tile(type_name, rows, k),
+                      TILE=planes.tile_values(type_name))  # fmt: skip
     ints = dict(N=rows, K=k, stride_lo=k * fmt.lo // 32, stride_hi=k * fmt.hi // 16, stride_g=k // fmt.sg,
                 stride_s=k // 256)  # fmt: skip
     ptx = compile_sm90(gemv._gemv_int8_kernel, args, constexprs, cfg.num_warps, ints)
@@ -95,7 +96,7 @@ def _float_gemv(type_name: str) -> None:
     args |= {n: "i32" for n in ("N", "K", "stride_lo", "stride_hi", "stride_g", "stride_s", "hi_tile_stride")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink,
                       SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=2, KC=64 * fmt.tile_values, EVEN_K=False,
-                      PDL=True)  # fmt: skip
+                      PDL=True, TT=planes.ROW_TILE, TILE=planes.tile_values(type_name))  # fmt: skip
     assert "STACK:0 " in compile_sm90(gemv._gemv_kernel, args, constexprs, 2)
 
 
@@ -112,7 +113,8 @@ def _fused(type_name: str, block_m: int, x_type: str = "*bf16") -> None:
     decodes_q6_k = type_name == "Q6_K" and block_m > 1
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
                       SCMIN_NIB=fmt.scmin_nib, BM=block_m, BN=32, BK=128, ATOMIC=True, DOT_F32=False,
-                      Q6_K_TILE=decodes_q6_k, ASM=True, Q6_K_TRANSPOSED=q6_k_tile.TRANSPOSED)  # fmt: skip
+                      Q6_K_TILE=decodes_q6_k, ASM=True, Q6_K_TRANSPOSED=q6_k_tile.TRANSPOSED,
+                      TT=planes.ROW_TILE, TILE=planes.tile_values(type_name))  # fmt: skip
     sass = compile_sm90(tg._fused_kernel, args, constexprs, 4)
     assert sass and (not decodes_q6_k or "STACK:0 " in sass)
 
@@ -125,7 +127,8 @@ def _gather(type_name: str) -> None:
     args = {"out_ptr": "*bf16", "ids_ptr": "*i64", **_plane_args(fmt), "lut_ptr": "*fp32"}
     args |= {n: "i32" for n in ("T", "K", "stride_o")}
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
-                      SCMIN_NIB=fmt.scmin_nib, BN=16, BK=256)  # fmt: skip
+                      SCMIN_NIB=fmt.scmin_nib, BN=16, BK=256, TT=planes.ROW_TILE,
+                      TILE=planes.tile_values(type_name))  # fmt: skip
     assert compile_sm90(tg._gather_kernel, args, constexprs, 4)
 
 

@@ -72,6 +72,51 @@ def test_repacked_planes_dequantize_exactly(tg, type_name: str) -> None:  # noqa
     assert torch.equal(part, dequantize(raw[20:29], type_name))
 
 
+def test_planes_tile_rows_where_k_and_rows_allow() -> None:
+    """Every plane in tiles of ROW_TILE rows x 256 values where K % 256 == 0 and rows % 4 == 0
+    (planes.py), row-major otherwise; the tiles hold the row-major planes' elements."""
+    raw = _raw("Q4_K", 8, K, 1)
+    tiled, flat = planes.repack(raw, "Q4_K"), planes.repack(raw, "Q4_K", tile=False)
+    for name, t in flat.items():
+        per = t.shape[1] * 256 // K  # a row's elements in one tile (256 values: a super-block)
+        tiles = tiled[name].reshape(2, K // 256, planes.ROW_TILE, per)
+        assert torch.equal(tiles.transpose(1, 2).reshape(t.shape), t), name
+    assert planes.row_tile("Q4_K", 37, K) == 1 and planes.row_tile("Q4_K", 40, K) == 4
+    assert planes.row_tile("Q4_K", 40, K + 128) == 1 and planes.row_tile("Q8_0", 40, K + 128) == 4
+    odd = planes.repack(_raw("Q8_0", 8, K + 32, 1), "Q8_0")
+    assert torch.equal(odd["lo"], planes.repack(_raw("Q8_0", 8, K + 32, 1), "Q8_0", tile=False)["lo"])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_K", "Q4_0", "Q3_K"])
+def test_every_kernel_reads_tiled_planes(tg, type_name: str) -> None:  # noqa: ANN001
+    """40 rows, K = 512: the planes are tiled (the other tests' 37 rows are not): dequantize and
+    row gathers exact, the GEMV, the fused kernel and (Q4_K, Q5_K, Q8_0) the int8 kernel against
+    the reference."""
+    n = 40
+    raw = _raw(type_name, n, K, 7)
+    seg = tg.Segment(type_name, 0, n, K, planes.repack(raw, type_name))
+    assert seg.row_tile == planes.ROW_TILE
+    table = dequantize(raw, type_name)
+    out = torch.full((n, K), float("nan"))
+    tg.dequant_into(seg, 0, n, out)
+    assert torch.equal(out, table)
+    ids = torch.tensor([39, 0, 5, 22, 5])
+    rows = torch.full((5, K), float("nan"))
+    tg.gather_rows(seg, ids, rows)
+    assert torch.equal(rows, table[ids])
+    gen = torch.Generator().manual_seed(3)
+    x1 = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+    assert _rel(tg.gemv_matmul(x1, [seg], n), planes.reference_matmul(raw, type_name, x1)) < 1e-2
+    x = torch.randn(17, K, generator=gen).to(torch.bfloat16)
+    ref = planes.reference_matmul(raw, type_name, x)
+    assert _rel(tg.fused_matmul(x, [seg], n, [tg.KernelConfig(16, 128, 2, 4, 2, 32)]), ref) < 1e-2
+    ti8 = sys.modules["paphos.quant.gguf.triton_gguf_i8"]
+    if ti8.supports(type_name, K):
+        got = torch.full((17, n), float("nan"))
+        ti8.matmul_into(got, ti8.quantize_x(x, type_name), seg, ti8.I8Config(16, 16, 2))
+        assert _rel(got, ref) < 1e-4
+
+
 @pytest.mark.parametrize("type_name", PRIORITY + OTHERS)
 def test_fused_kernel_matches_reference(tg, type_name: str) -> None:  # noqa: ANN001
     raw = _raw(type_name, N, K, 2)

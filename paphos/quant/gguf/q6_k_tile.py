@@ -13,6 +13,8 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
+
+    from paphos.quant.kernels.int_layout import plane_offset
 except ImportError:  # CPU-only installs: triton_gguf is not used either
     triton = None
 
@@ -90,6 +92,7 @@ if triton is not None:
     def decode(
         lo_ptr, hi_ptr, sc_ptr, sd_ptr, rows, row_mask, k0, K,
         BN: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr, TRANSPOSED: tl.constexpr,
+        TT: tl.constexpr,
     ):  # fmt: skip
         """Q6_K weights [BN, BK] of rows `rows`, values k0 .. k0 + BK, in DTYPE (bf16 / fp16), decoded
         in pairs by 16-bit arithmetic (`_q6_k_asm`) where `_dequant_tile` takes every code and
@@ -106,11 +109,12 @@ if triton is not None:
             r = rows.to(tl.int64)[:, None]
             m2 = row_mask[:, None]
             g = k0 // 16 + tl.arange(0, G)[None, :]
-        w0 = tl.load(lo_ptr + r * (K // 8) + 2 * g, mask=m2, other=0)
-        w1 = tl.load(lo_ptr + r * (K // 8) + 2 * g + 1, mask=m2, other=0)
-        hw = tl.load(hi_ptr + r * (K // 16) + g, mask=m2, other=0)
-        sc = tl.load(sc_ptr + r * (K // 16) + g, mask=m2, other=0).to(tl.float32)
-        sd = tl.load(sd_ptr + r * (K // 256) + g // 16, mask=m2, other=0).to(tl.float32)
+        # planes tiled by TT rows (planes.py): 32 low words, 16 high words, 16 scales a row and 256 values
+        w0 = tl.load(lo_ptr + plane_offset(r, 2 * g, K // 8, TT, 32), mask=m2, other=0)
+        w1 = tl.load(lo_ptr + plane_offset(r, 2 * g + 1, K // 8, TT, 32), mask=m2, other=0)
+        hw = tl.load(hi_ptr + plane_offset(r, g, K // 16, TT, 16), mask=m2, other=0)
+        sc = tl.load(sc_ptr + plane_offset(r, g, K // 16, TT, 16), mask=m2, other=0).to(tl.float32)
+        sd = tl.load(sd_ptr + plane_offset(r, g // 16, K // 256, TT, 1), mask=m2, other=0).to(tl.float32)
         s = sc * sd  # exact: 8 x 11 bits
         hi = _rounded(s, DTYPE)
         lo = _rounded(s - hi, DTYPE)

@@ -40,14 +40,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from paphos.layers import pdl, x_int8
+from paphos.quant.gguf.planes import Format, tile_values
 
 if TYPE_CHECKING:
-    from paphos.quant.gguf.planes import Format
     from paphos.quant.gguf.triton_gguf import Segment
 
 try:
     import triton
     import triton.language as tl
+
+    from paphos.quant.kernels.int_layout import plane_offset
 except ImportError:  # CPU-only installs: triton_gguf is not used either
     triton = None
 
@@ -64,6 +66,7 @@ if triton is not None:
     def _tile_dots(
         lo_ptr, hi_ptr, x_ptr, r3, t, m3, stride_lo, stride_hi, hi_tile_stride,
         LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr, TW: tl.constexpr, MINK: tl.constexpr,
+        TT: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         """Per row and tile group t of the chunk: (sum over the group's values of (code - BIAS) * x,
         sum of x) -> ([BN, T], [T]), codes = lo | hi << LO. Every tensor is [BN, T, TW] (the low
@@ -75,7 +78,8 @@ if triton is not None:
         MASK: tl.constexpr = (1 << LO) - 1
         TV: tl.constexpr = TW * PER  # values per tile group
         w = tl.arange(0, TW)
-        lo = tl.load(lo_ptr + r3 * stride_lo + (t * TW)[None, :, None] + w[None, None, :], mask=m3, other=0)
+        lo = tl.load(lo_ptr + plane_offset(r3, (t * TW)[None, :, None] + w[None, None, :], stride_lo, TT, TILE * LO // 32),
+                     mask=m3, other=0)  # fmt: skip
         if LO == 8:
             lo = lo ^ -2139062144  # 0x80808080: signed bytes -> code + 128 (BIAS is 128)
         lo16 = lo >> 16
@@ -83,7 +87,8 @@ if triton is not None:
             # one high word per tile group, codes in the low words' order: word w's at w * PER * HI.
             # (The stride is a runtime 1: a known-contiguous index along the tile groups would be
             # vectorised there, in a layout other than the low words'.)
-            hi = tl.load(hi_ptr + r3 * stride_hi + (t * hi_tile_stride)[None, :, None], mask=m3, other=0)
+            hi = tl.load(hi_ptr + plane_offset(r3, (t * hi_tile_stride)[None, :, None], stride_hi, TT, TILE * HI // 32),
+                         mask=m3, other=0)  # fmt: skip
             hi = hi >> (w * (PER * HI))[None, None, :]
         xk = (t * TV)[:, None] + w[None, :]  # [T, TW]: value index of each word's code 0
         dot = tl.zeros(lo.shape, dtype=tl.float32)
@@ -152,20 +157,23 @@ if triton is not None:
     @triton.jit
     def scale_loads(
         sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s,
-        SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr,
+        SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr, TT: tl.constexpr,
+        TILE: tl.constexpr,
     ):  # fmt: skip
         """The raw scale-group planes of rows r [BN, 1] and groups g [G] (what `scale_decode`
         reads): loaded apart from the decoding so a GEMV can issue them ahead of use."""
-        sc = tl.load(sc_ptr + r * stride_g + g[None, :], mask=m2, other=0)
+        at_g = plane_offset(r, g[None, :], stride_g, TT, TILE // SG)
+        sc = tl.load(sc_ptr + at_g, mask=m2, other=0)
         sd = sc
-        if SCALE != 0:
-            sd = tl.load(sd_ptr + r * stride_s + (g // (256 // SG))[None, :], mask=m2, other=0)
+        if SCALE != 0:  # a K-quant: one super-scale (and super-min) a tile
+            sd = tl.load(sd_ptr + plane_offset(r, (g // (256 // SG))[None, :], stride_s, TT, 1), mask=m2, other=0)
         mn = sc
         if MINK == 1 or (MINK == 2 and not SCMIN_NIB):
-            mn = tl.load(mn_ptr + r * stride_g + g[None, :], mask=m2, other=0)
+            mn = tl.load(mn_ptr + at_g, mask=m2, other=0)
         smin = sc
         if MINK == 2:
-            smin = tl.load(smin_ptr + r * stride_s + (g // (256 // SG))[None, :], mask=m2, other=0)
+            smin = tl.load(smin_ptr + plane_offset(r, (g // (256 // SG))[None, :], stride_s, TT, 1), mask=m2,
+                           other=0)  # fmt: skip
         return sc, sd, mn, smin
 
     @triton.jit
@@ -196,12 +204,13 @@ if triton is not None:
     @triton.jit
     def group_scale_min(
         sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s,
-        SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr,
+        SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, SCMIN_NIB: tl.constexpr, TT: tl.constexpr,
+        TILE: tl.constexpr,
     ):  # fmt: skip
         """Rows r [BN, 1] and scale groups g [G] -> (scale, min) [BN, G] float32 (`scale_decode`).
         Shared with triton_gguf's tiles."""
         sc, sd, mn, smin = scale_loads(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s, SG, SCALE,
-                                       MINK, SCMIN_NIB)  # fmt: skip
+                                       MINK, SCMIN_NIB, TT, TILE)  # fmt: skip
         return scale_decode(sc, sd, mn, smin, SCALE, MINK, SCMIN_NIB)
 
     @triton.jit
@@ -218,7 +227,7 @@ if triton is not None:
         stride_g, stride_s, hi_tile_stride,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, SCMIN_NIB: tl.constexpr, TW: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr,
-        EVEN_K: tl.constexpr, PDL: tl.constexpr,
+        EVEN_K: tl.constexpr, PDL: tl.constexpr, TT: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         """Float codes: one program per BN rows, K in chunks of KC values."""
         pdl.release(PDL)
@@ -241,10 +250,10 @@ if triton is not None:
                 m2 = rm & t_ok[None, :]
             dot, xsum = _tile_dots(
                 lo_ptr, hi_ptr, x_ptr, r[:, :, None], t, m2[:, :, None], stride_lo, stride_hi, hi_tile_stride,
-                LO, HI, OFF, TW, MINK,
+                LO, HI, OFF, TW, MINK, TT, TILE,
             )  # fmt: skip
             s, m = group_scale_min(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, t * TV // SG, m2, stride_g, stride_s, SG,
-                                   SCALE, MINK, SCMIN_NIB)  # fmt: skip
+                                   SCALE, MINK, SCMIN_NIB, TT, TILE)  # fmt: skip
             acc += _scaled(dot, xsum, s, m, MINK)
         y = tl.sum(acc, axis=1)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -253,7 +262,8 @@ if triton is not None:
     def _int8_block_loads(
         lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows, N, t, t_ok, g, stride_lo, stride_hi, stride_g,
         stride_s,
-        HI: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr, TW: tl.constexpr,
+        LO: tl.constexpr, HI: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr, MINK: tl.constexpr,
+        TW: tl.constexpr, TT: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         """Every plane a block of rows reads: low words [BN, T, TW], Q6_K's high bits of each low
         word [BN, T, TW] (the 16-bit halves of its high word per tile group: `gemv` passes that
@@ -262,12 +272,12 @@ if triton is not None:
         m2 = (rows < N)[:, None] & t_ok[None, :]
         m3 = m2[:, :, None]
         at = (t * TW)[None, :, None] + tl.arange(0, TW)[None, None, :]
-        lo = tl.load(lo_ptr + r[:, :, None] * stride_lo + at, mask=m3, other=0)
+        lo = tl.load(lo_ptr + plane_offset(r[:, :, None], at, stride_lo, TT, TILE * LO // 32), mask=m3, other=0)
         hi = lo
-        if HI > 0:
-            hi = tl.load(hi_ptr + r[:, :, None] * stride_hi + at, mask=m3, other=0)
+        if HI > 0:  # int16: the high bits of a low word
+            hi = tl.load(hi_ptr + plane_offset(r[:, :, None], at, stride_hi, TT, TILE * LO // 32), mask=m3, other=0)
         sc, sd, mn, smin = scale_loads(sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, g, m2, stride_g, stride_s, SG, SCALE,
-                                       MINK, False)  # fmt: skip
+                                       MINK, False, TT, TILE)  # fmt: skip
         return lo, hi, sc, sd, mn, smin
 
     @triton.jit
@@ -292,7 +302,7 @@ if triton is not None:
         stride_s,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, TW: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, RPP: tl.constexpr,
-        ASM: tl.constexpr, PDL: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr, TT: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         """Integer dot products (`integer_dots` formats): one program per RPP rows and the whole
         of K (T tile groups, a power of two >= K / TV); x comes quantized (x_int8.py, once per step
@@ -308,7 +318,7 @@ if triton is not None:
         rows = tl.program_id(0) * RPP + tl.arange(0, BN)
         lo, hi, sc, sd, mn, smin = _int8_block_loads(
             lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows, N, t, t_ok, g, stride_lo, stride_hi, stride_g,
-            stride_s, HI, SG, SCALE, MINK, TW,
+            stride_s, LO, HI, SG, SCALE, MINK, TW, TT, TILE,
         )  # fmt: skip
         pdl.wait(PDL)  # x comes from the kernels before; the weights' first loads are in flight
         q1a, q1b, q2a, q2b, dx, xsum = x_int8.load_groups(q_ptr, f_ptr, t, t_ok, K // TV, LO, TW)
@@ -317,7 +327,7 @@ if triton is not None:
             if rb + BN < RPP:
                 lo_n, hi_n, sc_n, sd_n, mn_n, smin_n = _int8_block_loads(
                     lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, rows + BN, N, t, t_ok, g, stride_lo,
-                    stride_hi, stride_g, stride_s, HI, SG, SCALE, MINK, TW,
+                    stride_hi, stride_g, stride_s, LO, HI, SG, SCALE, MINK, TW, TT, TILE,
                 )  # fmt: skip
             _int8_block_out(lo, hi, sc, sd, mn, smin, q1a, q1b, q2a, q2b, dx, dr, xsum, rows, N, out_ptr, LO, HI,
                             OFF, SCALE, MINK, ASM)  # fmt: skip
@@ -373,8 +383,9 @@ def gemv(
             xq.words, xq.scales, out, lo, hi, planes["sc"], sd, mn, smin, seg.rows, k, k * fmt.lo // 32, k * fmt.hi // 16,
             k // fmt.sg, k // 256,
             LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, TW=fmt.tile_words,
-            BN=block_n, T=1 << (k // fmt.tile_values - 1).bit_length(), RPP=rpp, ASM=x.is_cuda, num_warps=num_warps,
-            **pdl.options(x),
+            BN=block_n, T=1 << (k // fmt.tile_values - 1).bit_length(), RPP=rpp, ASM=x.is_cuda, TT=seg.row_tile,
+            TILE=tile_values(seg.type_name),
+            num_warps=num_warps, **pdl.options(x),
         )  # fmt: skip
         return
     tv = fmt.tile_values
@@ -385,5 +396,5 @@ def gemv(
         k * fmt.hi // 32, k // fmt.sg, k // 256, 1,
         LO=fmt.lo, HI=fmt.hi, OFF=fmt.off + (128 if fmt.lo == 8 else 0), SG=fmt.sg, SCALE=fmt.scale,
         MINK=fmt.mink, SCMIN_NIB=fmt.scmin_nib, TW=fmt.tile_words, BN=block_n, KC=kc, EVEN_K=k % kc == 0,
-        num_warps=num_warps, **pdl.options(x),
+        TT=seg.row_tile, TILE=tile_values(seg.type_name), num_warps=num_warps, **pdl.options(x),
     )  # fmt: skip

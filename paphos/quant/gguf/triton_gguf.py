@@ -53,7 +53,16 @@ from paphos.quant.gguf.launch import (
     default_gemv_config,
     fit_block_k,
 )
-from paphos.quant.gguf.planes import FORMATS, PLANES, Format, repack, type_size
+from paphos.quant.gguf.planes import (
+    FORMATS,
+    PLANES,
+    Format,
+    repack,
+    row_tile,
+    tile_rows,
+    tile_values,
+    type_size,
+)
 
 if TYPE_CHECKING:
     from paphos.quant.gguf.base import GGUFShard
@@ -61,6 +70,8 @@ if TYPE_CHECKING:
 try:
     import triton
     import triton.language as tl
+
+    from paphos.quant.kernels.int_layout import plane_offset
 except ImportError:  # CPU-only installs: the other kernels of kernels.py serve
     triton = None
 
@@ -88,20 +99,23 @@ if triton is not None:
         lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        TT: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
-        """fp32 weights [BN, BK] of rows `rows`, values k0 .. k0 + BK."""
+        """fp32 weights [BN, BK] of rows `rows`, values k0 .. k0 + BK (planes in tiles of TT rows x
+        TILE values)."""
         r = rows.to(tl.int64)[:, None]
         m2 = row_mask[:, None]
         # codes in stored order (contiguous loads), then back to value order (`_tile_order`)
         kk = k0 + tl.arange(0, BK)
         if LO == 8:
-            q = tl.load(lo_ptr + r * K + kk[None, :], mask=m2, other=0).to(tl.int32)
+            q = tl.load(lo_ptr + plane_offset(r, kk[None, :], K, TT, TILE), mask=m2, other=0).to(tl.int32)
         else:
             wi = k0 * LO // 32 + tl.arange(0, BK * LO // 32)
-            q = _unpack(tl.load(lo_ptr + r * (K * LO // 32) + wi[None, :], mask=m2, other=0), BN, BK, LO)
+            lo = tl.load(lo_ptr + plane_offset(r, wi[None, :], K * LO // 32, TT, TILE * LO // 32), mask=m2, other=0)
+            q = _unpack(lo, BN, BK, LO)
         if HI > 0:
             hi_i = k0 * HI // 32 + tl.arange(0, BK * HI // 32)
-            hw = tl.load(hi_ptr + r * (K * HI // 32) + hi_i[None, :], mask=m2, other=0)
+            hw = tl.load(hi_ptr + plane_offset(r, hi_i[None, :], K * HI // 32, TT, TILE * HI // 32), mask=m2, other=0)
             q = q | (_unpack(hw, BN, BK, HI) << LO)
         TW: tl.constexpr = 1 if SG * LO < 32 else (4 if SG * LO >= 128 else SG * LO // 32)
         if TW > 1:
@@ -114,7 +128,7 @@ if triton is not None:
         NG: tl.constexpr = BK // SG
         gi = k0 // SG + tl.arange(0, NG)
         s, m = triton_gemv.group_scale_min(
-            sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, gi, m2, K // SG, K // 256, SG, SCALE, MINK, SCMIN_NIB
+            sc_ptr, sd_ptr, mn_ptr, smin_ptr, r, gi, m2, K // SG, K // 256, SG, SCALE, MINK, SCMIN_NIB, TT, TILE
         )
         w = v * _expand(s, BN, SG, BK)
         if MINK > 0:
@@ -128,7 +142,8 @@ if triton is not None:
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ATOMIC: tl.constexpr, DOT_F32: tl.constexpr,
-        Q6_K_TILE: tl.constexpr, ASM: tl.constexpr, Q6_K_TRANSPOSED: tl.constexpr,
+        Q6_K_TILE: tl.constexpr, ASM: tl.constexpr, Q6_K_TRANSPOSED: tl.constexpr, TT: tl.constexpr,
+        TILE: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -146,7 +161,7 @@ if triton is not None:
                 k0 = it * BK
                 w = _dequant_tile(
                     lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
-                    LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+                    LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK, TT, TILE,
                 )  # fmt: skip
                 x = tl.load(x_row + k0 + kr).to(tl.float32)
                 acc2 += w * x[None, :]
@@ -166,11 +181,11 @@ if triton is not None:
                 x = tl.load(x_rows + (k0 + kr)[None, :], mask=m_mask[:, None], other=0.0)
                 if Q6_K_TILE:
                     w = q6_k_tile.decode(lo_ptr, hi_ptr, sc_ptr, sd_ptr, rows, row_mask, k0, K, BN, BK, x.dtype, ASM,
-                                         Q6_K_TRANSPOSED)  # fmt: skip
+                                         Q6_K_TRANSPOSED, TT)  # fmt: skip
                 else:
                     w = _dequant_tile(
                         lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
-                        LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+                        LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK, TT, TILE,
                     )  # fmt: skip
                 if DOT_F32:
                     acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
@@ -188,13 +203,14 @@ if triton is not None:
         out_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, row0, row_end, K, stride_o,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        TT: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         rows = row0 + tl.program_id(0) * BN + tl.arange(0, BN)
         row_mask = rows < row_end
         k0 = tl.program_id(1) * BK
         w = _dequant_tile(
             lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, row_mask, k0, K,
-            LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+            LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK, TT, TILE,
         )  # fmt: skip
         o = out_ptr + (rows - row0).to(tl.int64)[:, None] * stride_o + (k0 + tl.arange(0, BK))[None, :]
         tl.store(o, w.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -204,6 +220,7 @@ if triton is not None:
         out_ptr, ids_ptr, lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, T, K, stride_o,
         LO: tl.constexpr, HI: tl.constexpr, OFF: tl.constexpr, SG: tl.constexpr, SCALE: tl.constexpr,
         MINK: tl.constexpr, LUT: tl.constexpr, SCMIN_NIB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        TT: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         """out[t] = row ids[t] of the segment, dequantized (the embedding lookup)."""
         t = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -212,7 +229,7 @@ if triton is not None:
         k0 = tl.program_id(1) * BK
         w = _dequant_tile(
             lo_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, lut_ptr, rows, t_mask, k0, K,
-            LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK,
+            LO, HI, OFF, SG, SCALE, MINK, LUT, SCMIN_NIB, BN, BK, TT, TILE,
         )  # fmt: skip
         o = out_ptr + t.to(tl.int64)[:, None] * stride_o + (k0 + tl.arange(0, BK))[None, :]
         tl.store(o, w.to(out_ptr.dtype.element_ty), mask=t_mask[:, None])
@@ -254,6 +271,11 @@ class Segment:
     def fmt(self) -> Format:
         return FORMATS[self.type_name]
 
+    @property
+    def row_tile(self) -> int:
+        """Rows per tile of the planes (planes.py): the kernels' TT."""
+        return row_tile(self.type_name, self.rows, self.k)
+
     def pointers(self) -> list[torch.Tensor]:
         dev = self.planes["lo"].device
         ptrs = [self.planes.get(p, _dummy(dev)) for p in PLANES]
@@ -263,7 +285,7 @@ class Segment:
         f = self.fmt
         return {
             "LO": f.lo, "HI": f.hi, "OFF": f.off, "SG": f.sg, "SCALE": f.scale, "MINK": f.mink,
-            "LUT": f.lut, "SCMIN_NIB": f.scmin_nib,
+            "LUT": f.lut, "SCMIN_NIB": f.scmin_nib, "TT": self.row_tile, "TILE": tile_values(self.type_name),
         }  # fmt: skip
 
     def n_bytes(self) -> int:
@@ -287,9 +309,10 @@ def make_segments(weight: torch.Tensor, shards: tuple[GGUFShard, ...], k: int) -
         while j + 1 < len(shards) and shards[j + 1].type_name == shards[i].type_name:
             j += 1
         run = shards[i : j + 1]
-        parts = [repack(raw_shard(weight, s), s.type_name) for s in run]
-        planes = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-        segments.append(Segment(run[0].type_name, run[0].row_start, sum(s.rows for s in run), k, planes))
+        parts = [repack(raw_shard(weight, s), s.type_name, tile=False) for s in run]
+        rows = sum(s.rows for s in run)
+        planes = tile_rows({name: torch.cat([p[name] for p in parts]) for name in parts[0]}, run[0].type_name, rows, k)
+        segments.append(Segment(run[0].type_name, run[0].row_start, rows, k, planes))
         i = j + 1
     return segments
 

@@ -40,12 +40,16 @@ through a barrier each), where these reach the tensor cores as loaded. The engin
 with `i8_config`'s rule: batch 16 2411 -> 2836 tok/s (1.13x bf16's 2504), batch 32 3449 -> 4279
 (benchmarks/README.md, "GGUF Q8_0 on the int8 tensor cores").
 
-Q4_K's 16-token tiles run by stream-K (`_q4_k_stream_kernel`, split_k.py) where `i8_config` says
-so: 2 programs per SM (two of the kernel's 221-244 registers a thread fill a multiprocessor) take
+Q4_K's 16-token tiles can run by stream-K (`_q4_k_stream_kernel`, split_k.py; `i8_config(...,
+stream=True)`, and the `i8` sweep's candidates): 2 programs per SM (two of the kernel's 221-244 registers a thread fill a multiprocessor) take
 equal runs of the tiles' super-blocks laid end to end, so gate|up's 448 tiles no longer leave a
 second, partial wave and q|k's 80 fill the GPU; H100, 16 tokens: q|k 19.2 -> 17.5 us, gate|up
 55.9 -> 50.5, down 32.7 -> 29.1, the four with o (kept split: 3.9 super-blocks a program lost,
 14.6 -> 16.2) 122.4 -> 111.7 us (benchmarks/README.md, "Stream-K for the int8 tensor-core GEMMs").
+That was on row-major planes; on the planes in tiles of 4 rows (planes.py) the split launch
+measured ahead again (a throwaway copy of the kernel, H100, 16 tokens: q|k 14.6, o 10.8, gate|up
+38.6, down 22.0 us against 15.3 / 12.7 / 47.8 / 26.0 for the rule of the time on the tiled
+planes; the engine's Q4_K_M batch 16 3033 -> 3182 tok/s), so the rule no longer streams.
 
 Measured (benchmarks/bench_gguf_gpu.py `i8`, 16 tokens, Llama-3-8B shapes, CUDA-graph replays,
 weights from memory, x's launch included), on an H100, us: Q4_K q|k 18.7 (the fused kernel 37.4,
@@ -95,6 +99,7 @@ try:
     import triton.language as tl
 
     from paphos.quant.kernels import split_k
+    from paphos.quant.kernels.int_layout import tile_row
     from paphos.quant.kernels.triton_int_i8 import nibbles_i8
 except ImportError:  # CPU-only installs: the torch reference (planes.reference_matmul) serves
     triton = None
@@ -216,13 +221,10 @@ if triton is not None:
         return tl.reshape(tl.join(q0, q1), (w.shape[0], 8))
 
     @triton.jit
-    def _row_scalar(ptr, rows, row_ok, per_row, at):
-        return tl.load(ptr + rows.to(tl.int64) * per_row + at, mask=row_ok, other=0)
-
-    @triton.jit
     def _q4_k_tile(
         q_ptr, dx_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, M, N, K, pid_n, pid_m, it0, it1,
         FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, SCALE_WORDS: tl.constexpr,
+        TT: tl.constexpr,
     ):  # fmt: skip
         """float32 out^T [BN rows, BM tokens] of tile (pid_n, pid_m) over super-blocks it0 .. it1
         (module docstring), and the tile's rows, row_ok, ms, m_ok. w_ptr: the low code plane as
@@ -240,24 +242,27 @@ if triton is not None:
         x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 128)
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        w_rows = w_ptr + r64 * (K // 2) + tl.arange(0, 128)[None, :]
-        hi_rows = hi_ptr + r64 * (K // 8) + tl.arange(0, 32)[None, :]  # byte j: low-plane word j's bits
-        s_words = rows.to(tl.int64) * n_blocks  # sc / mn: one int64 a row and super-block
-        s_bytes = r64 * (K // 32) + tl.arange(0, 8)[None, :]
+        # planes tiled by TT rows (planes.py): super-block it of a row lies it * TT blocks after block 0
+        w_rows = w_ptr + tile_row(r64, K // 2, TT, 128) + tl.arange(0, 128)[None, :]
+        hi_rows = hi_ptr + tile_row(r64, K // 8, TT, 32) + tl.arange(0, 32)[None, :]  # byte j: word j's bits
+        s_words = tile_row(rows.to(tl.int64), n_blocks, TT, 1)  # sc / mn as one int64, sd, smin: one a block
+        s_bytes = tile_row(r64, K // 32, TT, 8) + tl.arange(0, 8)[None, :]
         part_w = tl.where(first, 1.0, 1.0 / 254.0)  # 254 * (codes . q1) + codes . q2, over 254
         acc = tl.zeros((BN, 2 * BM), dtype=tl.float32)
         for it in range(it0, it1):
             if SCALE_WORDS:
-                sc = _sub_block_bytes(sc_ptr, s_words + it, row_ok)
-                mn = _sub_block_bytes(mn_ptr, s_words + it, row_ok)
+                sc = _sub_block_bytes(sc_ptr, s_words + it * TT, row_ok)
+                mn = _sub_block_bytes(mn_ptr, s_words + it * TT, row_ok)
             else:
-                sc = tl.load(sc_ptr.to(tl.pointer_type(tl.uint8)) + s_bytes + it * 8, mask=row_ok[:, None], other=0)
-                mn = tl.load(mn_ptr.to(tl.pointer_type(tl.uint8)) + s_bytes + it * 8, mask=row_ok[:, None], other=0)
-            wb = tl.load(w_rows + it * 128, mask=row_ok[:, None], other=0)
+                sc = tl.load(sc_ptr.to(tl.pointer_type(tl.uint8)) + s_bytes + it * (TT * 8), mask=row_ok[:, None],
+                             other=0)  # fmt: skip
+                mn = tl.load(mn_ptr.to(tl.pointer_type(tl.uint8)) + s_bytes + it * (TT * 8), mask=row_ok[:, None],
+                             other=0)  # fmt: skip
+            wb = tl.load(w_rows + it * (TT * 128), mask=row_ok[:, None], other=0)
             x_lo = tl.load(x_cols + it * 256, mask=x_ok, other=0)  # x at the low nibbles' values
             x_hi = tl.load(x_cols + it * 256 + 128, mask=x_ok, other=0)
-            dd = _row_scalar(sd_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
-            dm = _row_scalar(smin_ptr, rows, row_ok, n_blocks, it).to(tl.float32)
+            dd = tl.load(sd_ptr + s_words + it * TT, mask=row_ok, other=0).to(tl.float32)
+            dm = tl.load(smin_ptr + s_words + it * TT, mask=row_ok, other=0).to(tl.float32)
             dx = tl.load(dx_ptr + tok * n_blocks + it, mask=tok_ok, other=0.0) * part_w
             lo, hi = nibbles_i8(wb, ASM)  # [BN, 128]: byte i's codes, sub-block i // 16
             sc_k = _per_byte(sc.to(tl.int32), BN, 8, 16)
@@ -271,7 +276,8 @@ if triton is not None:
             d_mn = tl.dot(mn_b, x_hi, tl.dot(mn_b, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             d_sc = 8 * d_hi + d_lo
             if FIVE:  # sc (code + 16 bit) = sc code + 16 (sc bit): sc where the fifth bit is set
-                bits = _per_byte(tl.load(hi_rows + it * 32, mask=row_ok[:, None], other=0).to(tl.int32), BN, 32, 4)
+                bits = _per_byte(tl.load(hi_rows + it * (TT * 32), mask=row_ok[:, None], other=0).to(tl.int32), BN,
+                                 32, 4)  # fmt: skip
                 lo_5, hi_5 = _fifth_bits(bits, sc_k, ASM)
                 d_sc += 16 * tl.dot(hi_5, x_hi, tl.dot(lo_5, x_lo, out_dtype=tl.int32), out_dtype=tl.int32)
             acc += (d_sc.to(tl.float32) * dd[:, None] - d_mn.to(tl.float32) * dm[:, None]) * dx[None, :]
@@ -282,7 +288,7 @@ if triton is not None:
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om, iters_per_split,
         FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
+        PDL: tl.constexpr, SCALE_WORDS: tl.constexpr = False, TT: tl.constexpr = 1,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
         per program along grid axis 2 (`_q4_k_tile`)."""
@@ -292,7 +298,7 @@ if triton is not None:
         it1 = tl.minimum(it0 + iters_per_split, K // 256)
         acc, rows, row_ok, ms, m_ok = _q4_k_tile(
             q_ptr, dx_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, M, N, K, tl.program_id(1), tl.program_id(0),
-            it0, it1, FIVE, BN, BM, ASM, SCALE_WORDS,
+            it0, it1, FIVE, BN, BM, ASM, SCALE_WORDS, TT,
         )  # fmt: skip
         split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
                            tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
@@ -303,7 +309,7 @@ if triton is not None:
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om,
         FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-        SCALE_WORDS: tl.constexpr = False,
+        SCALE_WORDS: tl.constexpr = False, TT: tl.constexpr = 1,
     ):  # fmt: skip
         """`_q4_k_kernel`'s product by stream-K (split_k.py): tile t = pid_n * tiles_m + pid_m (a
         weight tile's token tiles one after another, the later ones reading it from L2) holds
@@ -323,7 +329,7 @@ if triton is not None:
             it1 = tl.minimum(n_blocks, it0 + end - at)
             acc, rows, row_ok, ms, m_ok = _q4_k_tile(
                 q_ptr, dx_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr, M, N, K, tile // tiles_m,
-                tile % tiles_m, it0, it1, FIVE, BN, BM, ASM, SCALE_WORDS,
+                tile % tiles_m, it0, it1, FIVE, BN, BM, ASM, SCALE_WORDS, TT,
             )  # fmt: skip
             slice_id, sharing = split_k.stream_contributors(tile, n_blocks, program, programs, total)
             split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, tile,
@@ -336,10 +342,10 @@ if triton is not None:
         return ((words >> (16 * G)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _group_dot(w_rows, x_cols, k, w_ok, x_ok):
-        """One Q8_0 scale group's K=32 int8 dot at K offset k, codes and x's parts as loaded: [BN, 2 BM]
-        int32."""
-        return tl.dot(tl.load(w_rows + k, mask=w_ok, other=0), tl.load(x_cols + k, mask=x_ok, other=0),
+    def _group_dot(w_rows, x_cols, kw, k, w_ok, x_ok):
+        """One Q8_0 scale group's K=32 int8 dot at K offset k (kw in the tiled plane), codes and x's
+        parts as loaded: [BN, 2 BM] int32."""
+        return tl.dot(tl.load(w_rows + kw, mask=w_ok, other=0), tl.load(x_cols + k, mask=x_ok, other=0),
                       out_dtype=tl.int32)  # fmt: skip
 
     @triton.jit
@@ -352,6 +358,7 @@ if triton is not None:
     @triton.jit
     def _q8_0_tile(
         q_ptr, dx_ptr, w_ptr, sc_ptr, M, N, K, pid_n, pid_m, it0, it1, BN: tl.constexpr, BM: tl.constexpr,
+        TT: tl.constexpr,
     ):  # fmt: skip
         """float32 out^T [BN rows, BM tokens] of tile (pid_n, pid_m) over x blocks it0 .. it1 (128
         values each) of a Q8_0 plane: the codes are int8 operands as stored (no unpacking, straight
@@ -366,19 +373,22 @@ if triton is not None:
         x_cols = x_blocks.part_pointers(q_ptr, first, tok, M, K, 32)
         x_ok = tok_ok[None, :]
         r64 = rows.to(tl.int64)
-        w_rows = w_ptr + r64[:, None] * K + tl.arange(0, 32)[None, :]
-        s_words = r64 * n_blocks  # a row's four group scales of a block: one int64
+        # planes tiled by TT rows (planes.py): 128 codes and one int64 of scales a row and tile, so
+        # block it of a row lies it * TT tiles after block 0
+        w_rows = w_ptr + tile_row(r64[:, None], K, TT, 128) + tl.arange(0, 32)[None, :]
+        s_words = tile_row(r64, n_blocks, TT, 1)  # a row's four group scales of a block: one int64
         weight = tl.where(first, 254, 1)  # 254 * (codes . q1) + codes . q2
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         w_ok = row_ok[:, None]
         for it in range(it0, it1):
             k0 = it * 128
+            kw = it * (TT * 128)
             # the four groups' dots go out before the first result is read
-            d0 = _group_dot(w_rows, x_cols, k0, w_ok, x_ok)
-            d1 = _group_dot(w_rows, x_cols, k0 + 32, w_ok, x_ok)
-            d2 = _group_dot(w_rows, x_cols, k0 + 64, w_ok, x_ok)
-            d3 = _group_dot(w_rows, x_cols, k0 + 96, w_ok, x_ok)
-            s = tl.load(sc_ptr + s_words + it, mask=row_ok, other=0)
+            d0 = _group_dot(w_rows, x_cols, kw, k0, w_ok, x_ok)
+            d1 = _group_dot(w_rows, x_cols, kw + 32, k0 + 32, w_ok, x_ok)
+            d2 = _group_dot(w_rows, x_cols, kw + 64, k0 + 64, w_ok, x_ok)
+            d3 = _group_dot(w_rows, x_cols, kw + 96, k0 + 96, w_ok, x_ok)
+            s = tl.load(sc_ptr + s_words + it * TT, mask=row_ok, other=0)
             dx = tl.load(dx_ptr + ms * n_blocks + it, mask=m_ok, other=0.0) * (1.0 / 254.0)
             block = (_group_scaled(d0, weight, s, 0, BN, BM) + _group_scaled(d1, weight, s, 1, BN, BM)
                      + _group_scaled(d2, weight, s, 2, BN, BM) + _group_scaled(d3, weight, s, 3, BN, BM))
@@ -389,6 +399,7 @@ if triton is not None:
     def _q8_0_kernel(
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, M, N, K, stride_om, iters_per_split,
         BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        TT: tl.constexpr = 1,
     ):  # fmt: skip
         """out [M, N] = x W^T of a Q8_0 plane for BN rows and BM tokens per program, x blocks it0 ..
         it1 of K per program along grid axis 2 (`_q8_0_tile`)."""
@@ -397,7 +408,7 @@ if triton is not None:
         it0 = tl.program_id(2) * iters_per_split
         it1 = tl.minimum(it0 + iters_per_split, K // 128)
         acc, rows, row_ok, ms, m_ok = _q8_0_tile(
-            q_ptr, dx_ptr, w_ptr, sc_ptr, M, N, K, tl.program_id(1), tl.program_id(0), it0, it1, BN, BM
+            q_ptr, dx_ptr, w_ptr, sc_ptr, M, N, K, tl.program_id(1), tl.program_id(0), it0, it1, BN, BM, TT
         )
         split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om,
                            tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), tl.program_id(2),
@@ -415,18 +426,18 @@ STREAM_MIN_RUN = 4
 TUNED_CONFIGS: dict[tuple[str, int, int, int], I8Config] = {}
 
 
-def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 2, stream: bool = True) -> I8Config:
+def i8_config(type_name: str, rows: int, k: int, m: int, programs_per_sm: int = 2, stream: bool = False) -> I8Config:
     """The launch at M tokens: 16 per program, Q4_K 32 above 16 tokens (each weight decoded once
     for twice the tokens: 158.8 us for a Q4_K_M layer's Q4_K linears at 32 tokens, H100; Q5_K
     spills at 32), the token tiles side by side in the grid so the next reads the weights from L2;
     64 rows, 3 stages, 4 warps (wgmma: the H100 and H200 sweeps' winners; 32 rows on 2 warps with
     mma.sync came 1.0-1.4x slower, 16 rows on 1 warp level on gate|up and 1.05-1.4x slower
-    elsewhere). Q4_K in 16-token tiles by stream-K over STREAM_PER_SM programs per multiprocessor
-    where each program's run is STREAM_MIN_RUN super-blocks or more (H100, 16 tokens: q|k 19.2 ->
-    17.5 us, gate|up 55.9 -> 50.5, down 32.7 -> 29.1; o, 3.9 super-blocks a run, 14.6 -> 16.2
-    stays split; Q5_K's gate|up 69.5 -> 71.0 stays split); otherwise K split while the grid stays
-    within `programs_per_sm` programs per multiprocessor and each slice keeps two super-blocks (q|k
-    2 slices, o and down 4; `stream=False`: always so). Q8_0 by the H100 sweep's winners: 16-token
+    elsewhere). K split while the grid stays within `programs_per_sm` programs per multiprocessor
+    and each slice keeps two super-blocks (q|k 2 slices, o and down 4). With `stream`, Q4_K's
+    16-token tiles by stream-K over STREAM_PER_SM programs per multiprocessor where each program's
+    run is STREAM_MIN_RUN super-blocks or more (the rule on row-major planes, H100, 16 tokens: q|k
+    19.2 -> 17.5 us, gate|up 55.9 -> 50.5, down 32.7 -> 29.1; on the tiled planes the split
+    launch is ahead: the module docstring). Q8_0 by the H100 sweep's winners: 16-token
     tiles of layers with fewer 64-row tiles than multiprocessors (a Llama-3-8B q|k|v, o and down)
     on 2 warps (mma.sync) in 4 K slices (22.3 / 17.0 / 41.1 us against the rule above's 26.4 /
     18.7 / 45.8), the wider ones (gate|up, the head) unsplit on 4 stages (71.5 -> 68.0, 314.6 ->
@@ -495,8 +506,8 @@ def matmul_into(
         cut = split_k.slices(k // Q8_0_XB, cfg.split_k, tiles[0] * tiles[1], m, n, out.device)
         _q8_0_kernel[(*tiles, cut.count)](
             parts, dx, out, cut.partials, cut.counters, p["lo"], p["sc"].view(torch.int64), m, n, k, out.stride(0),
-            cut.per, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl.options(out),
+            cut.per, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=out.is_cuda, TT=seg.row_tile,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(out),
         )  # fmt: skip
         return
     lo = p["lo"].view(torch.uint8)
@@ -504,7 +515,7 @@ def matmul_into(
     planes = (lo, p["hi"].view(torch.uint8) if "hi" in p else lo, p["sc"].view(torch.int64), p["sd"],
               p["mn"].view(torch.int64), p["smin"])  # fmt: skip
     common = dict(FIVE=seg.type_name == "Q5_K", BN=cfg.block_n, BM=cfg.block_m, ASM=out.is_cuda,
-                  SCALE_WORDS=scale_words(seg.type_name, cfg), num_warps=cfg.num_warps,
+                  SCALE_WORDS=scale_words(seg.type_name, cfg), TT=seg.row_tile, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, **pdl.options(out))  # fmt: skip
     if cfg.stream_per_sm:
         programs = cfg.stream_per_sm * split_k.num_sms(out.device)

@@ -239,10 +239,23 @@ def planes_nbytes(planes: dict[str, torch.Tensor]) -> int:
 if triton is not None:
 
     @triton.jit
+    def tile_row(rows, row_len, TT: tl.constexpr, BLOCK: tl.constexpr):
+        """The part of `plane_offset` that depends on the row alone (hoisted out of K loops)."""
+        if TT == 1:
+            return rows * row_len
+        return (rows // TT) * (TT * row_len) + (rows % TT) * BLOCK
+
+    @triton.jit
+    def tile_col(at, TT: tl.constexpr, BLOCK: tl.constexpr):
+        """The part of `plane_offset` that depends on the element alone."""
+        if TT == 1:
+            return at
+        return (at // BLOCK) * (TT * BLOCK) + at % BLOCK
+
+    @triton.jit
     def plane_offset(rows, at, row_len, TT: tl.constexpr, BLOCK: tl.constexpr):
         """Where element `at` of row `rows` (int64; broadcast together) lies in a plane of `row_len`
         elements a row (words, or bytes), given the elements of BLOCK_VALUES values (BLOCK) and the
-        spec's `row_tile` (TT): row-major where TT is 1, tiled otherwise (module docstring)."""
-        if TT == 1:
-            return rows * row_len + at
-        return (rows // TT) * (TT * row_len) + (at // BLOCK) * (TT * BLOCK) + (rows % TT) * BLOCK + at % BLOCK
+        spec's `row_tile` (TT): row-major where TT is 1, tiled otherwise (module docstring). The
+        GGUF planes (paphos/quant/gguf/planes.py) are tiled the same way, BLOCK per 256 values."""
+        return tile_row(rows, row_len, TT, BLOCK) + tile_col(at, TT, BLOCK)
