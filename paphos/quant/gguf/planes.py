@@ -6,9 +6,9 @@ Planes (the repacked layout; every plane [N, ...], one row per output feature; w
 multiple of `tile_values` (a K-quant's 256, else 128) and N of ROW_TILE, rows are stored in
 tiles of ROW_TILE rows x `tile_values` values: a tile's rows one after another, tiles along K,
 then the next ROW_TILE rows (`tile_rows`, paphos/quant/kernels/int_layout.py's `plane_offset`
-with BLOCK the plane's elements per tile; the kernels' TT and TILE), so a K step of a tensor-core kernel over 64 rows reads 16 runs of a tile's bytes instead
-of 64 short ones (H100, Q4_K at 16 tokens: gate|up 53.0 -> 38.6 us, down 29.4 -> 22.0);
-row-major otherwise):
+with BLOCK the plane's elements per tile; the kernels' TT and TILE), so a K step of a tensor-core
+kernel over 64 rows reads 16 runs of a tile's bytes instead of 64 short ones (H100, Q4_K at 16
+tokens: gate|up 53.0 -> 38.6 us, down 29.4 -> 22.0); row-major otherwise):
   lo    the low LO bits of each code: int32 words of 32/LO codes (code i of a word at bits LO*i),
         or int8 codes themselves when LO == 8 (Q8_0); codes in "tile order": K is cut into tile
         groups of T = `tile_words` words (T = 4, or fewer when a scale group has fewer words),
@@ -173,7 +173,9 @@ def _codes_and_scales(b: torch.Tensor, type_name: str) -> dict[str, torch.Tensor
     raise ValueError(f"no Triton format for GGUF type {type_name}")
 
 
-def repack(raw: torch.Tensor, type_name: str, chunk_rows: int = 4096, tile: bool = True) -> dict[str, torch.Tensor]:
+def repack(
+    raw: torch.Tensor, type_name: str, chunk_rows: int = 4096, tile: bool = True
+) -> dict[str, torch.Tensor]:
     """Raw blocks [rows, row_bytes] of `type_name` -> the planes of its `Format` (module
     docstring), on raw's device; converted `chunk_rows` rows at a time to bound temporaries.
     `tile` False: row-major (for shards joined into one segment, tiled together)."""
@@ -198,7 +200,8 @@ def repack(raw: torch.Tensor, type_name: str, chunk_rows: int = 4096, tile: bool
         for name, t in planes.items():
             parts.setdefault(name, []).append(t)
     planes = {name: torch.cat(ts) for name, ts in parts.items()}
-    return tile_rows(planes, type_name, rows, raw.shape[1] // type_size(type_name) * fmt.block) if tile else planes
+    k = raw.shape[1] // type_size(type_name) * fmt.block
+    return tile_rows(planes, type_name, rows, k) if tile else planes
 
 
 def _tile_order(q: torch.Tensor, fmt: Format) -> torch.Tensor:

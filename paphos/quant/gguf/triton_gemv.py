@@ -78,8 +78,8 @@ if triton is not None:
         MASK: tl.constexpr = (1 << LO) - 1
         TV: tl.constexpr = TW * PER  # values per tile group
         w = tl.arange(0, TW)
-        lo = tl.load(lo_ptr + plane_offset(r3, (t * TW)[None, :, None] + w[None, None, :], stride_lo, TT, TILE * LO // 32),
-                     mask=m3, other=0)  # fmt: skip
+        at = (t * TW)[None, :, None] + w[None, None, :]
+        lo = tl.load(lo_ptr + plane_offset(r3, at, stride_lo, TT, TILE * LO // 32), mask=m3, other=0)
         if LO == 8:
             lo = lo ^ -2139062144  # 0x80808080: signed bytes -> code + 128 (BIAS is 128)
         lo16 = lo >> 16
@@ -87,8 +87,8 @@ if triton is not None:
             # one high word per tile group, codes in the low words' order: word w's at w * PER * HI.
             # (The stride is a runtime 1: a known-contiguous index along the tile groups would be
             # vectorised there, in a layout other than the low words'.)
-            hi = tl.load(hi_ptr + plane_offset(r3, (t * hi_tile_stride)[None, :, None], stride_hi, TT, TILE * HI // 32),
-                         mask=m3, other=0)  # fmt: skip
+            at_hi = (t * hi_tile_stride)[None, :, None]
+            hi = tl.load(hi_ptr + plane_offset(r3, at_hi, stride_hi, TT, TILE * HI // 32), mask=m3, other=0)
             hi = hi >> (w * (PER * HI))[None, None, :]
         xk = (t * TV)[:, None] + w[None, :]  # [T, TW]: value index of each word's code 0
         dot = tl.zeros(lo.shape, dtype=tl.float32)
@@ -166,7 +166,8 @@ if triton is not None:
         sc = tl.load(sc_ptr + at_g, mask=m2, other=0)
         sd = sc
         if SCALE != 0:  # a K-quant: one super-scale (and super-min) a tile
-            sd = tl.load(sd_ptr + plane_offset(r, (g // (256 // SG))[None, :], stride_s, TT, 1), mask=m2, other=0)
+            sd = tl.load(sd_ptr + plane_offset(r, (g // (256 // SG))[None, :], stride_s, TT, 1), mask=m2,
+                         other=0)  # fmt: skip
         mn = sc
         if MINK == 1 or (MINK == 2 and not SCMIN_NIB):
             mn = tl.load(mn_ptr + at_g, mask=m2, other=0)

@@ -16,16 +16,17 @@ need not be a multiple of group_size (the last group is then short).
 Planes:
   qweight  int32 [N, K * bits / 32]: row n's codes in K order, K in tile groups of 4 words
            (32 values of 4 bits, 16 of 8 bits); value p * 4 + w of a tile group is code p of
-           word w (bits [bits * p, bits * (p + 1))). So a thread's one 16-byte load holds, for each code position p, four
-           consecutive values: x for them is one vector too (the integer-dot GEMV reads x as
-           paphos/layers/x_int8.py packs it for this layout, the tensor-core kernels reorder in
-           registers). 4-bit codes are stored as is (0..15); 8-bit codes as the signed byte
-           q - 128, what `dp4a` multiplies. Where K is a multiple of BLOCK_VALUES (`row_tile` 4),
-           rows are stored in tiles of ROW_TILE rows x BLOCK_VALUES values: a tile's rows one
-           after another (64 bytes each at 4 bits, 128 at 8), tiles along K, then the next ROW_TILE
-           rows, so each K step of the tensor-core kernels (128 rows x 128 values) reads 32 runs
-           of 256 contiguous bytes instead of 128 runs of 64 (`plane_offset`; H100, 16 tokens:
-           gate|up 33.0 -> 27.7 us, down 20.6 -> 19.0); other K are row-major (`row_tile` 1).
+           word w (bits [bits * p, bits * (p + 1))). So a thread's one 16-byte load holds, for
+           each code position p, four consecutive values: x for them is one vector too (the
+           integer-dot GEMV reads x as paphos/layers/x_int8.py packs it for this layout, the
+           tensor-core kernels reorder in registers). 4-bit codes are stored as is (0..15); 8-bit
+           codes as the signed byte q - 128, what `dp4a` multiplies. Where K is a multiple of
+           BLOCK_VALUES (`row_tile` 4), rows are stored in tiles of ROW_TILE rows x BLOCK_VALUES
+           values: a tile's rows one after another (64 bytes each at 4 bits, 128 at 8), tiles
+           along K, then the next ROW_TILE rows, so each K step of the tensor-core kernels (128
+           rows x 128 values) reads 32 runs of 256 contiguous bytes instead of 128 runs of 64
+           (`plane_offset`; H100, 16 tokens: gate|up 33.0 -> 27.7 us, down 20.6 -> 19.0); other
+           K are row-major (`row_tile` 1).
   scales   [G, N] in the dtype given (the model dtype): transposed, so a tile's scales are
            contiguous (one vector load the tensor-core kernel's pipeline can issue ahead).
   zeros    [G, N] likewise, only with has_zeros: integer values in [0, 2**bits] (GPTQ, AWQ and
@@ -255,7 +256,8 @@ if triton is not None:
     @triton.jit
     def plane_offset(rows, at, row_len, TT: tl.constexpr, BLOCK: tl.constexpr):
         """Where element `at` of row `rows` (int64; broadcast together) lies in a plane of `row_len`
-        elements a row (words, or bytes), given the elements of BLOCK_VALUES values (BLOCK) and the
-        spec's `row_tile` (TT): row-major where TT is 1, tiled otherwise (module docstring). The
-        GGUF planes (paphos/quant/gguf/planes.py) are tiled the same way, BLOCK per 256 values."""
+        elements a row (words, or bytes) stored in tiles of TT rows x BLOCK elements a row (the
+        spec's `row_tile`, and BLOCK_VALUES values here): row-major where TT is 1 (module
+        docstring). The GGUF planes (paphos/quant/gguf/planes.py) are tiled the same way, BLOCK
+        the elements of a type's `tile_values`."""
         return tile_row(rows, row_len, TT, BLOCK) + tile_col(at, TT, BLOCK)
