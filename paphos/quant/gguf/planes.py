@@ -36,6 +36,7 @@ import torch
 
 from paphos.quant.gguf.blocks import bits, nibbles, u16, u32
 from paphos.quant.gguf.dequant import _TYPES, _k_scale_min, _q4_k_values, dequantize
+from paphos.quant.kernels.int_layout import to_tiles
 
 QK_K = 256
 
@@ -97,14 +98,7 @@ def row_tile(type_name: str, rows: int, k: int) -> int:
 def tile_rows(planes: dict[str, torch.Tensor], type_name: str, rows: int, k: int) -> dict[str, torch.Tensor]:
     """Row-major planes [rows, elements] -> the tiled order of `row_tile` (same shapes)."""
     tt = row_tile(type_name, rows, k)
-    if tt == 1:
-        return planes
-    out = {}
-    for name, t in planes.items():
-        per_row = t.shape[1]
-        block = per_row * tile_values(type_name) // k
-        out[name] = t.reshape(rows // tt, tt, per_row // block, block).transpose(1, 2).reshape(rows, per_row)
-    return out
+    return {name: to_tiles(t, tt, t.shape[1] * tile_values(type_name) // k) for name, t in planes.items()}
 
 
 # ---------------------------------------------------------------------------- repacking (torch)

@@ -128,22 +128,21 @@ def _k_order(word_codes: torch.Tensor, spec: IntSpec) -> torch.Tensor:
     return word_codes.reshape(n, -1, TILE_WORDS, per).transpose(-1, -2).reshape(n, -1)
 
 
-def _to_tiles(words: torch.Tensor, spec: IntSpec) -> torch.Tensor:
-    """Row-major words [N, W] -> the plane's order (module docstring), same shape."""
-    n, w = words.shape
-    tt, bw = spec.row_tile, spec.block_words
+def to_tiles(t: torch.Tensor, tt: int, block: int) -> torch.Tensor:
+    """A row-major plane [N, elements] -> tiles of `tt` rows x `block` elements, tiles along K
+    (`plane_offset`; also the GGUF planes'), same shape; tt 1: as is."""
     if tt == 1:
-        return words.contiguous()
-    return words.reshape(n // tt, tt, w // bw, bw).transpose(1, 2).contiguous().reshape(n, w)
+        return t.contiguous()
+    n, w = t.shape
+    return t.reshape(n // tt, tt, w // block, block).transpose(1, 2).reshape(n, w)
 
 
-def _from_tiles(words: torch.Tensor, spec: IntSpec) -> torch.Tensor:
-    """The inverse of `_to_tiles`."""
-    n, w = words.shape
-    tt, bw = spec.row_tile, spec.block_words
+def from_tiles(t: torch.Tensor, tt: int, block: int) -> torch.Tensor:
+    """The inverse of `to_tiles`."""
     if tt == 1:
-        return words
-    return words.reshape(n // tt, w // bw, tt, bw).transpose(1, 2).reshape(n, w)
+        return t
+    n, w = t.shape
+    return t.reshape(n // tt, w // block, tt, block).transpose(1, 2).reshape(n, w)
 
 
 def pack(
@@ -179,7 +178,8 @@ def pack(
     shifts = torch.arange(0, 32, spec.bits, device=device, dtype=torch.int64)
     words = (q << shifts).sum(-1)
     planes = {
-        "qweight": _to_tiles(torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32), spec),
+        "qweight": to_tiles(torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32), spec.row_tile,
+                            spec.block_words),
         "scales": scales.to(device).t().contiguous(),
     }
     if zeros is not None:
@@ -203,7 +203,7 @@ def pack(
 def codes_of(planes: dict[str, torch.Tensor], spec: IntSpec) -> torch.Tensor:
     """The codes [N, K] (int64, 0 <= code < 2**bits) back from the packed plane, in the kernel's K
     order."""
-    words = _from_tiles(planes["qweight"], spec).to(torch.int64) & 0xFFFFFFFF
+    words = from_tiles(planes["qweight"], spec.row_tile, spec.block_words).to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(0, 32, spec.bits, device=words.device, dtype=torch.int64)
     q = (words[..., None] >> shifts) & ((1 << spec.bits) - 1)
     if spec.bits == 8:
