@@ -70,7 +70,7 @@ def count(name: str, rows: int, warps: int) -> dict[str, object]:
     kernel, planes, extra, constexprs, row_bytes = KERNELS[name]
     ints = SHAPE | extra
     args = COMMON | planes | {arg: "i32" for arg in ints}
-    constexprs = constexprs | dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True)
+    constexprs = constexprs | dict(BN=rows, BM=16, SPLIT=True, ASM=True, PDL=True, TT=4)  # 4096 x 4096: tiled
     if kernel is ti8._q4_k_kernel:  # the scale reads the engine launches at 16 tokens
         constexprs["SCALE_WORDS"] = ti8.scale_words(name, ti8.I8Config(block_m=16))
     stages = triton_int_i8.I8Config().num_stages  # both int8 kernels launch with it
@@ -101,7 +101,8 @@ def count_fused(type_name: str) -> dict[str, object]:
     constexprs = dict(LO=fmt.lo, HI=fmt.hi, OFF=fmt.off, SG=fmt.sg, SCALE=fmt.scale, MINK=fmt.mink, LUT=fmt.lut,
                       SCMIN_NIB=fmt.scmin_nib, BM=16, BN=cfg.block_n, BK=cfg.block_k, ATOMIC=True,
                       DOT_F32=False, Q6_K_TILE=type_name == "Q6_K", ASM=True,
-                      Q6_K_TRANSPOSED=q6_k_tile.TRANSPOSED)  # fmt: skip
+                      Q6_K_TRANSPOSED=q6_k_tile.TRANSPOSED, TT=planes.row_tile(type_name, 4096, 4096),
+                      TILE=planes.tile_values(type_name))  # fmt: skip
     out = compile_sm90(triton_gguf._fused_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages, sass=True)
     body = main_loop(out)
     step_bytes = cfg.block_n * cfg.block_k * planes.type_size(type_name) / fmt.block

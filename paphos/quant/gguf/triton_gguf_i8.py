@@ -41,8 +41,8 @@ with `i8_config`'s rule: batch 16 2411 -> 2836 tok/s (1.13x bf16's 2504), batch 
 (benchmarks/README.md, "GGUF Q8_0 on the int8 tensor cores").
 
 Q4_K's 16-token tiles can run by stream-K (`_q4_k_stream_kernel`, split_k.py; `i8_config(...,
-stream=True)`, and the `i8` sweep's candidates): 2 programs per SM (two of the kernel's 221-244 registers a thread fill a multiprocessor) take
-equal runs of the tiles' super-blocks laid end to end, so gate|up's 448 tiles no longer leave a
+stream=True)`, and the `i8` sweep's candidates): 2 programs per SM (two of the kernel's 221-244
+registers a thread fill a multiprocessor) take equal runs of the tiles' super-blocks laid end to end, so gate|up's 448 tiles no longer leave a
 second, partial wave and q|k's 80 fill the GPU; H100, 16 tokens: q|k 19.2 -> 17.5 us, gate|up
 55.9 -> 50.5, down 32.7 -> 29.1, the four with o (kept split: 3.9 super-blocks a program lost,
 14.6 -> 16.2) 122.4 -> 111.7 us (benchmarks/README.md, "Stream-K for the int8 tensor-core GEMMs").
@@ -288,7 +288,7 @@ if triton is not None:
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om, iters_per_split,
         FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr, SCALE_WORDS: tl.constexpr = False, TT: tl.constexpr = 1,
+        PDL: tl.constexpr, TT: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, super-blocks it0 .. it1 of K
         per program along grid axis 2 (`_q4_k_tile`)."""
@@ -309,7 +309,7 @@ if triton is not None:
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, hi_ptr, sc_ptr, sd_ptr, mn_ptr, smin_ptr,
         M, N, K, stride_om,
         FIVE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-        SCALE_WORDS: tl.constexpr = False, TT: tl.constexpr = 1,
+        TT: tl.constexpr, SCALE_WORDS: tl.constexpr = False,
     ):  # fmt: skip
         """`_q4_k_kernel`'s product by stream-K (split_k.py): tile t = pid_n * tiles_m + pid_m (a
         weight tile's token tiles one after another, the later ones reading it from L2) holds
@@ -399,7 +399,7 @@ if triton is not None:
     def _q8_0_kernel(
         q_ptr, dx_ptr, out_ptr, part_ptr, count_ptr, w_ptr, sc_ptr, M, N, K, stride_om, iters_per_split,
         BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-        TT: tl.constexpr = 1,
+        TT: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x W^T of a Q8_0 plane for BN rows and BM tokens per program, x blocks it0 ..
         it1 of K per program along grid axis 2 (`_q8_0_tile`)."""

@@ -1,8 +1,9 @@
 """The integer-weight family's layout (W4A16 / W8A16: GPTQ, AWQ, compressed-tensors pack-quantized):
 `IntSpec` describes a layer, `pack` turns integer codes and their group scales / zero points into
 the planes the Triton kernels read (triton_int.py), `dequantize` and `reference_matmul` are the
-torch reference every kernel is tested against, `plane_offset` where the kernels find a weight.
-Pure torch but that Triton function: CPU-only installs use it too.
+torch reference every kernel is tested against, `plane_offset` where the kernels find a weight
+(and `to_tiles`, shared with the GGUF planes). Pure torch but the Triton helpers at the end:
+CPU-only installs use it too.
 
 Data flow: a format module (paphos/quant/<format>.py) unpacks its checkpoint into codes [N, K] in
 the order the kernel consumes K (GPTQ act-order: column j multiplies x[:, perm[j]]), scales and
