@@ -130,7 +130,7 @@ class GPTQConfig(IntQuantConfig):
             pattern = key[2:] if key[:2] in ("-:", "+:") else key
             merged = None if negative else _layout({**qc, **overrides}, version, f"dynamic.{key}.")
             dynamic.append((pattern, negative, merged))
-        for bits in sorted({layout.bits} | {d.bits for _, _, d in dynamic if d is not None} - {4, 8}):
+        for bits in sorted(({layout.bits} | {d.bits for _, _, d in dynamic if d is not None}) - {4, 8}):
             logger.info("GPTQ %d-bit codes are widened to 4 bits at load: the 4-bit kernels run them, and their "
                         "planes take %s of the checkpoint's bytes", bits, "2x" if bits == 2 else "4/3")  # fmt: skip
         return cls(layout, bool(qc.get("lm_head", False)), tuple(dynamic))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paphos.quant.gptq import GPTQLayout
+from paphos.quant.gptq import GPTQConfig, GPTQLayout
 from paphos.quant.int_linear import packed_run, unpack_along_cols, unpack_along_rows
 
 
@@ -61,3 +61,15 @@ def test_low_bit_codes_widen_to_the_same_weights(bits: int, version: int) -> Non
         widened = (u.codes.float() - z.repeat_interleave(group, dim=1)) * u.scales.repeat_interleave(group, dim=1)
         want = (codes.float() - zeros.float().repeat_interleave(group, dim=0)) * layer.scales.repeat_interleave(group, dim=0)
         assert torch.equal(widened, want.t())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_the_log_names_widened_codes_only(bits: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A 2- or 3-bit checkpoint is told that its planes grow; a 4- or 8-bit one is not (they run as
+    stored)."""
+    with caplog.at_level("INFO", logger="paphos.quant.gptq"):
+        GPTQConfig.from_quant_config({"quant_method": "gptq", "bits": bits, "group_size": 128, "desc_act": False,
+                                      "sym": True})  # fmt: skip
+    widened = [r.getMessage() for r in caplog.records if "widened" in r.getMessage()]
+    assert widened == ([f"GPTQ {bits}-bit codes are widened to 4 bits at load: the 4-bit kernels run them, and their "
+                        f"planes take {'2x' if bits == 2 else '4/3'} of the checkpoint's bytes"] if bits < 4 else [])  # fmt: skip
