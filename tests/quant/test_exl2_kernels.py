@@ -16,6 +16,7 @@ The planes they read are tested in test_exl2_layout.py.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def test_dequantize_kernel_is_exact(te, k: int) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("k", [200, 256])
 def test_gemv_matches_reference(te, k: int) -> None:  # noqa: ANN001
-    """1 and 3 tokens, one K slice and several (the last program of a tile sums them)."""
+    """1 and 3 tokens, one K slice and several (added into the zeroed plane, which the last program
+    of a tile reads and leaves at zero for the next launch)."""
     from paphos.quant.kernels import split_k
 
     shards, weight = _layer(k, 20 + k)
@@ -71,6 +73,7 @@ def test_gemv_matches_reference(te, k: int) -> None:  # noqa: ANN001
         # x to ~15 bits and the weights unrounded (within 2**-12 of their fp16 values): 1.5-3e-4
         assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3, (m, split)
         assert not counters.any()
+        assert not split_k.zeros(torch.device("cpu"), m * 136).any()
 
 
 def test_matmul_in_bf16(te, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -157,14 +160,15 @@ def _gemv(mp: int, split: bool) -> None:
     ints = dict(M=mp, N=4096, n_runs=128, runs_per_split=4)
     args |= {name: "i32" for name in ints}
     # a 4.0 bpw layer: runs of 3, 4 and 5 bits
-    constexprs = dict(BN=256, MP=mp, MAXBITS=5, SPLIT=split, AHEAD=mp <= te.AHEAD_MAX_TOKENS, ALIGNED=True, ASM=True,
-                      PDL=True)  # fmt: skip
+    constexprs = dict(BN=256, MP=mp, MAXBITS=5, SPLIT=split, ATOMIC=split, AHEAD=mp <= te.AHEAD_MAX_TOKENS,
+                      ALIGNED=True, ASM=True, PDL=True)  # fmt: skip
     ptx = compile_sm90(te._gemv_kernel, args, constexprs, te.gemv_warps(256, mp), ints)
     assert "griddepcontrol.wait" in ptx and "STACK:0 " in ptx, ptx[-300:]
     assert "dp4a.s32.s32" in ptx  # the integer dots
     assert "ld.global.v4.b32" in ptx or "ld.global.v2.b32" in ptx  # a thread's columns in one access
     if split:
         assert "fence.acq_rel.gpu" in ptx and "atom.global" in ptx
+        assert re.search(r"(red|atom)\.global\.\S*add(\.v[24])?\.f32", ptx)  # the partials added, not stored
 
 
 def _dequant(dtype: str) -> None:

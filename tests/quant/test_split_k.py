@@ -29,6 +29,16 @@ def test_no_split_runs_one_slice_over_every_step() -> None:
         assert cut.counters is cut.partials and cut.partials.shape[0] == 1
 
 
+def test_atomic_split_adds_into_one_zeroed_plane() -> None:
+    cut = split_k.slices(10, 4, tiles=8, m=3, n=5, device=CPU, atomic=True)
+    assert (cut.per, cut.count, cut.split, cut.atomic) == (3, 4, True, True)
+    assert cut.partials is split_k.zeros(CPU, 15) and cut.partials.numel() >= 15 and not cut.partials.any()
+    alone = split_k.slices(10, 1, tiles=8, m=3, n=5, device=CPU, atomic=True)
+    assert (alone.count, alone.split, alone.atomic) == (1, False, False)  # one slice: stored at once
+    split_k.reserve_zeros(CPU, 1 << 12)
+    assert split_k.zeros(CPU, 15).numel() >= 1 << 12  # reserved at load, not shrunk by a smaller launch
+
+
 def test_stream_k_runs_two_steps_a_program_at_least() -> None:
     run = split_k.stream(tiles=3, steps=8, programs=100, m=3, n=48, device=CPU)
     assert run.programs == 12  # 24 steps, two a program

@@ -5,6 +5,16 @@ and the last one to finish (an atomic count per tile) sums them. No second launc
 program resets the tile's count, so the launch replays from a CUDA graph. `slices` plans a
 launch's cut and its buffers.
 
+An atomic launch (`slices(atomic=True)`, ATOMIC in `sum_slices`) adds each partial into one
+float32 plane instead (vector atomic adds), which the last program reads once and sets back to
+zero: one round trip where summing 32-64 stored partials took several, 1.1-1.9 us of the EXL2
+GEMV's 10.9-21.0 us on the narrow layers of an H100 (benchmarks/README.md, "EXL2: split-K sums by
+atomic adds"). The order of the adds varies from run to run, so the sum may differ in its last
+float32 bit (as the GGUF fused kernel's split-K adds, triton_gguf.py); the stored partials sum in
+a fixed order. Only the EXL2 GEMV launches it: in the int8 tensor-core GEMM (triton_int_i8.py,
+accumulator in the wgmma layout) the same protocol gave wrong sums now and then on an H100, cause
+not found (benchmarks/README.md, same section).
+
 Stream-K (`stream`, `stream_contributors`): a launch of exactly P programs, as many as the GPU
 holds at once, cuts the tiles' K steps laid end to end (tile-major) into P equal runs, so a
 program may finish one tile and start the next; the programs that share a tile sum their
@@ -28,6 +38,7 @@ except ImportError:  # CPU-only installs
 NUM_SMS_GUESS = 132  # H100 / H200: the split rules' programs-per-SM targets count against it
 COUNTERS = 1 << 16  # tile counters per device, zero between launches: the most tiles one launch splits
 _COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
+_ZEROS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
 def num_sms(device: torch.device) -> int:
@@ -54,28 +65,53 @@ def counters(device: torch.device, stream: str = "step") -> torch.Tensor:
     return buf
 
 
+def zeros(device: torch.device, elems: int, stream: str = "step") -> torch.Tensor:
+    """At least `elems` float32 zeros on `device` that the atomic launches of one stream add their
+    partials into and leave at zero (`counters` says why per stream). It grows only outside CUDA
+    graph capture (a buffer made during capture would live in the graph's pool): the layers
+    reserve it at load (`reserve_zeros`)."""
+    buf = _ZEROS.get((device, stream))
+    if buf is None or buf.numel() < elems:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split_k.zeros: {elems} floats not reserved before CUDA graph capture")
+        _ZEROS[(device, stream)] = buf = torch.zeros(elems, dtype=torch.float32, device=device)
+    return buf
+
+
+def reserve_zeros(device: torch.device, elems: int, stream: str = "step") -> None:
+    """Grows `zeros` of `device` to `elems` floats (at load, before graph capture)."""
+    zeros(device, elems, stream)
+
+
 @dataclass(frozen=True)
 class Slices:
     """How a launch cuts its K steps: `per` steps a slice, `count` slices; `split` whether the
     programs of a tile sum float32 partials (more than one slice, a counter for every tile, the
     partial planes addressable in int32); `partials` [count, M, N] and `counters` the kernel's
-    buffers (a one-plane dummy and the partials when not split)."""
+    buffers (a one-plane dummy and the partials when not split); `atomic` (split only): the
+    partials are added into one zeroed plane (`zeros`, [M, N] of it), `sum_slices`' ATOMIC."""
 
     per: int
     count: int
     split: bool
     partials: torch.Tensor
     counters: torch.Tensor
+    atomic: bool = False
 
 
-def slices(steps: int, wanted: int, tiles: int, m: int, n: int, device: torch.device) -> Slices:
+def slices(
+    steps: int, wanted: int, tiles: int, m: int, n: int, device: torch.device, atomic: bool = False
+) -> Slices:
     """`steps` K steps cut into at most `wanted` slices of equal length (the last may be shorter),
-    for a launch of `tiles` output tiles of an [m, n] output on `device`."""
+    for a launch of `tiles` output tiles of an [m, n] output on `device`; `atomic`: a split launch
+    adds its partials into `zeros`."""
     per = max(1, math.ceil(steps / max(1, wanted)))
     count = math.ceil(steps / per)
     split = count > 1 and tiles <= COUNTERS and count * m * n < 1 << 31
     if not split:
         per, count = steps, 1
+    if split and atomic:
+        return Slices(per, count, True, zeros(device, m * n), counters(device), True)
     partials = torch.empty(count, m, n, dtype=torch.float32, device=device)
     return Slices(per, count, split, partials, counters(device) if split else partials)
 
@@ -123,10 +159,17 @@ if triton is not None:
                                       pack=1)  # fmt: skip
 
     @triton.jit
-    def sum_slices(acc, part_ptr, count_ptr, tile, at, mask, slice_id, slices, plane, ASM: tl.constexpr):
-        """Stores this program's partial `acc` at part_ptr[slice_id * plane + at] -> (whether this
-        program finished the tile last; then the sum of every slice's partial, else zeros)."""
-        tl.store(part_ptr + slice_id * plane + at, acc, mask=mask)
+    def sum_slices(
+        acc, part_ptr, count_ptr, tile, at, mask, slice_id, slices, plane, ASM: tl.constexpr,
+        ATOMIC: tl.constexpr = False,
+    ):  # fmt: skip
+        """Stores this program's partial `acc` at part_ptr[slice_id * plane + at] (ATOMIC: adds it
+        at part_ptr[at], a zeroed plane) -> (whether this program finished the tile last; then
+        the sum of every slice's partial, else zeros)."""
+        if ATOMIC:
+            tl.atomic_add(part_ptr + at, acc, mask=mask, sem="relaxed", scope="gpu")
+        else:
+            tl.store(part_ptr + slice_id * plane + at, acc, mask=mask)
         fence(ASM)  # every thread's partial is visible GPU-wide before the count says so
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -134,15 +177,19 @@ if triton is not None:
         total = tl.zeros_like(acc)
         if last:
             fence(ASM)
-            # UNROLL slices' loads in flight at once: one at a time, narrow layers split 32-64 ways
-            # waited an L2 round trip per slice at the end of every tile
-            UNROLL: tl.constexpr = (16 if acc.numel <= 256 else 8 if acc.numel <= 512 else 4 if acc.numel <= 1024
-                                    else 2 if acc.numel <= 2048 else 1)  # fmt: skip
-            for s0 in range(0, slices, UNROLL):
-                for u in tl.static_range(UNROLL):
-                    s_ok = (at * 0 + s0 + u) < slices  # (the interpreter cannot AND a scalar bool)
-                    total += tl.load(part_ptr + (s0 + u) * plane + at, mask=mask & s_ok, other=0.0,
-                                     cache_modifier=".cg")  # fmt: skip
+            if ATOMIC:
+                total = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(part_ptr + at, tl.zeros_like(acc), mask=mask)  # zero again for the next launch
+            else:
+                # UNROLL slices' loads in flight at once: one at a time, narrow layers split 32-64
+                # ways waited an L2 round trip per slice at the end of every tile
+                UNROLL: tl.constexpr = (16 if acc.numel <= 256 else 8 if acc.numel <= 512 else 4 if acc.numel <= 1024
+                                        else 2 if acc.numel <= 2048 else 1)  # fmt: skip
+                for s0 in range(0, slices, UNROLL):
+                    for u in tl.static_range(UNROLL):
+                        s_ok = (at * 0 + s0 + u) < slices  # (the interpreter cannot AND a scalar bool)
+                        total += tl.load(part_ptr + (s0 + u) * plane + at, mask=mask & s_ok, other=0.0,
+                                         cache_modifier=".cg")  # fmt: skip
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
         return last, total
 

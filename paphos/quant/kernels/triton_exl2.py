@@ -23,17 +23,22 @@ are exact (codes become floats by the 2**23 mantissa trick: no integer conversio
 computes scale * dx * sum((code - 2**(b-1)) * (q1 + q2 / 254)) per run: the weights unrounded
 (within 2**-12 of the fp16 values) and x to ~15 bits, the integer family's GEMV numerics
 (triton_int.py). CUDA-graph safe: no host syncs, buffers sized by shapes only; split-K partials
-are summed by the last program of each tile (split_k.py); the GEMV uses programmatic dependent
-launch (paphos/layers/pdl.py): a program's first run is loaded before it waits for x, and (by
-GEMV_CLASSES, up to AHEAD_MAX_TOKENS tokens) each next run while the current one is multiplied.
+are added into a zeroed float32 plane that the last program of each tile reads and zeroes again
+(split_k.py's atomic launch; the adds' order, so the sum's last float32 bit, varies from run to
+run); the GEMV uses programmatic dependent launch (paphos/layers/pdl.py): a program's first run
+is loaded before it waits for x, and (by GEMV_CLASSES, up to AHEAD_MAX_TOKENS tokens) each next
+run while the current one is multiplied.
 Measured (benchmarks/bench_quant_gpu.py `exl2_kernels`; 4.0 bpw, batch 1, CUDA-graph replays,
 against bf16 cuBLAS, at the launch GEMV_CLASSES picks): H100, a Llama-3-8B layer's four linears
 76.7 us against 162.4 (2.1x; 89.4 before the loads ahead, the 16-byte loads and the unrolled
 final sum: q|k|v 17.1 -> 14.0, o 14.4 -> 11.0, gate|up 32.6 -> 30.9, down 25.4 -> 20.9 us), the
 6-bit head 141 us (2.7x bf16); H200 (before the 16-byte loads) a layer 83.3 -> 74.5 us (1.53x
-bf16's 114.4). Engine, H100: 311.4 tok/s at batch 1 against bf16's 160.5 (1.94x; 274.5 before).
-The narrow layers still run at 20-30 % of copy bandwidth: each is a chain of dependent latencies
-(the quantizing launch, x, one or two runs, the split-K sum) more than a stream of bytes. Moving
+bf16's 114.4). The atomic sums then took the H100 layer from 76.4 to 71.5 us (q|k|v 14.0 -> 12.9,
+o 10.9 -> 9.5, down 21.0 -> 19.1, gate|up 30.5 -> 30.0). Engine, H100: 334.3 tok/s at batch 1
+against bf16's 161.6 (2.07x; 318.0 with stored partials, 274.5 before the loads ahead), 1485 at
+16 tokens (1262). The narrow layers still run at a third of copy bandwidth: each is a chain of
+dependent latencies (the quantizing launch, x, one or two runs, the split-K sum) more than a
+stream of bytes. Moving
 the quantization into the GEMV's programs (each gathering and quantizing its own slice of x) was
 slower: 320.7 -> 314.8 tok/s at batch 1 and 1290 -> 825 at 16 on an H100 (benchmarks/README.md,
 "EXL2: x quantized inside the GEMV").
@@ -285,14 +290,14 @@ if triton is not None:
     def _gemv_kernel(
         xq_ptr, xf_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, m_ptr, run_ptr, meta_ptr, tile_ptr,
         M, N, n_runs, runs_per_split,
-        BN: tl.constexpr, MP: tl.constexpr, MAXBITS: tl.constexpr, SPLIT: tl.constexpr, AHEAD: tl.constexpr,
-        ALIGNED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+        BN: tl.constexpr, MP: tl.constexpr, MAXBITS: tl.constexpr, SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
+        AHEAD: tl.constexpr, ALIGNED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x [M, K] W^T: one program per tile of BN columns (of one shard) and slice
         of runs_per_split runs (grid axis 1; SPLIT: more than one slice, the last program of a
-        tile to finish sums the float32 partials). Per run: its bit width picks the unpacking
-        (a uniform branch), its group the scales; x comes quantized per run, in stored order
-        (`_quantize_kernel`). The first run's loads are issued before `pdl.wait`; AHEAD: each
+        tile to finish sums the float32 partials, which ATOMIC adds into one zeroed plane). Per
+        run: its bit width picks the unpacking (a uniform branch), its group the scales; x comes
+        quantized per run, in stored order (`_quantize_kernel`). The first run's loads are issued before `pdl.wait`; AHEAD: each
         next run's while the current one is multiplied (a program's few runs were a chain of
         dependent latencies: the run's table, then its words), else after it (where the second
         set of words costs residency: several tokens' accumulators, or the mid-width layers'
@@ -334,7 +339,7 @@ if triton is not None:
         at = ms[:, None] * N + o_cols[None, :]  # out and the partial planes are [M, N]
         if SPLIT:
             last, total = split_k.sum_slices(acc, part_ptr, count_ptr, tile, at, mask, pid_k, tl.num_programs(1),
-                                             M * N, ASM)  # fmt: skip
+                                             M * N, ASM, ATOMIC)  # fmt: skip
             if last:
                 tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -457,7 +462,7 @@ def gemv(
     split = split or rule_split
     ahead = rule_ahead if ahead is None else ahead
     tiles = planes.tiles.shape[0]
-    cut = split_k.slices(n_runs, split, tiles, m, planes.n, x.device)
+    cut = split_k.slices(n_runs, split, tiles, m, planes.n, x.device, atomic=True)
     total_runs = planes.meta.shape[0] * n_runs
     xq = torch.empty(total_runs, mp, 16, dtype=torch.int32, device=x.device)
     xf = torch.empty(total_runs, mp, 2, dtype=torch.float32, device=x.device)
@@ -470,7 +475,7 @@ def gemv(
     _gemv_kernel[(tiles, cut.count)](
         xq, xf, out, cut.partials, cut.counters, planes.words, planes.scales, planes.smax, planes.runs, planes.meta,
         planes.tiles, m, planes.n, n_runs, cut.per,
-        BN=planes.block_n, MAXBITS=planes.max_bits, MP=mp, SPLIT=cut.split, AHEAD=ahead,
+        BN=planes.block_n, MAXBITS=planes.max_bits, MP=mp, SPLIT=cut.split, ATOMIC=cut.atomic, AHEAD=ahead,
         ALIGNED=planes.aligned, ASM=x.is_cuda, num_warps=warps, **pdl.options(x),
     )  # fmt: skip
     return out
@@ -515,5 +520,7 @@ def matmul(x: torch.Tensor, planes: EXL2Planes) -> torch.Tensor:
 
 
 def reserve_scratch(planes: EXL2Planes, device: torch.device, dtype: torch.dtype) -> None:
-    """Size the shared scratch buffer at load (before KV-cache sizing and CUDA-graph capture)."""
+    """Size the shared scratch buffer and the GEMV's zeroed sum plane at load (before KV-cache
+    sizing and CUDA-graph capture)."""
     triton_gguf.scratch(device, dtype, planes.n * planes.k)
+    split_k.reserve_zeros(device, GEMV_MAX_TOKENS * planes.n)
