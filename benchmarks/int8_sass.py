@@ -43,7 +43,7 @@ KERNELS = {
     "Q5_K": (ti8._q4_k_kernel, {"w_ptr": "*u8", "hi_ptr": "*u8", "sc_ptr": "*i64", "sd_ptr": "*fp16", "mn_ptr": "*i64",
                                 "smin_ptr": "*fp16"}, dict(iters_per_split=4), dict(FIVE=True), 176),
     "W4g128": (triton_int_i8._gemm_kernel, {"sum_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*fp16"},
-               dict(stride_w=2048, group_shift=7, iters_per_split=8), dict(BITS=4, HAS_Z=False), 66),
+               dict(stride_w=2048, group_shift=7, iters_per_split=8), dict(BITS=4, HAS_Z=False, ATOMIC=True), 66),
 }  # fmt: skip
 SCALE_POINTER = {0: "*fp16", 1: "*i8", 2: "*u8"}
 LAUNCHES = ((64, 4), (128, 4), (128, 8), (64, 2), (32, 2), (16, 1))  # (rows, warps)

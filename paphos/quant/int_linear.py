@@ -348,6 +348,7 @@ class IntLinearMethod:
         codes = u.codes if perm is None else u.codes[:, perm]
         zeros = None if u.zeros is None else u.zeros.to(self.params_dtype)
         planes = int_layout.pack(codes, u.scales.to(self.params_dtype), zeros, spec, perm)
+        triton_int.reserve(spec, u.codes.device)
         for name, tensor in planes.items():  # buffers, so the model's memory accounts for them
             layer.register_buffer(f"int_{name}", tensor, persistent=False)
         # Held here too: the per-step path (eager prefill is host bound) does no lookups.

@@ -116,6 +116,7 @@ def test_gemm_matches_reference(ti8, spec: IntSpec) -> None:  # noqa: ANN001
         assert got.shape == (m, spec.out_features)
         assert _rel(got, int_layout.reference_matmul(x, planes, spec)) < 1e-4, (m, cfg)
         assert not counters.any()  # every split tile's counter is back to zero
+        assert not split_k.zeros(torch.device("cpu"), m * spec.out_features).any()  # the sum plane too
 
 
 def test_matmul_sends_small_batches_here(ti, ti8, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -172,9 +173,12 @@ def _gemm(bits: int, zeros: bool, m: int) -> None:
     ints = dict(M=m, N=4096, K=4096, stride_w=4096 * bits // 8, stride_om=4096, group_shift=7,
                 iters_per_split=32 // cfg.split_k)  # fmt: skip
     args |= {name: "i32" for name in ints}
-    constexprs = dict(BITS=bits, HAS_Z=zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cfg.split_k > 1, ASM=True, PDL=True,
-                      TT=spec.row_tile)  # fmt: skip
+    split = cfg.split_k > 1
+    constexprs = dict(BITS=bits, HAS_Z=zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=split, ATOMIC=split, ASM=True,
+                      PDL=True, TT=spec.row_tile)  # fmt: skip
     ptx = compile_sm90(ti8._gemm_kernel, args, constexprs, cfg.num_warps, ints, cfg.num_stages)
+    if split:  # the partials added into one plane (split_k.py's atomic launch), not stored one plane a slice
+        assert re.search(r"(red|atom)\.global\.\S*add(\.v[24])?\.f32", ptx), ptx[-300:]
     # 4-bit: the A operand (the unpacked codes) in registers, `{%r..}, {%r..}, descriptor`;
     # 8-bit: the stored bytes are the operand, read from shared memory (two descriptors)
     a_operand = r"\{%r" if bits == 4 else "%rd"

@@ -8,12 +8,11 @@ launch's cut and its buffers.
 An atomic launch (`slices(atomic=True)`, ATOMIC in `sum_slices`) adds each partial into one
 float32 plane instead (vector atomic adds), which the last program reads once and sets back to
 zero: one round trip where summing 32-64 stored partials took several, 1.1-1.9 us of the EXL2
-GEMV's 10.9-21.0 us on the narrow layers of an H100 (benchmarks/README.md, "EXL2: split-K sums by
-atomic adds"). The order of the adds varies from run to run, so the sum may differ in its last
+GEMV's 10.9-21.0 us on the narrow layers of an H100, and 77.7 -> 75.2 us for the int8 GEMM's
+Llama-3-8B layer at 16 tokens (benchmarks/README.md, "EXL2: split-K sums by atomic adds"). The order of the adds varies from run to run, so the sum may differ in its last
 float32 bit (as the GGUF fused kernel's split-K adds, triton_gguf.py); the stored partials sum in
-a fixed order. Only the EXL2 GEMV launches it: in the int8 tensor-core GEMM (triton_int_i8.py,
-accumulator in the wgmma layout) the same protocol gave wrong sums now and then on an H100, cause
-not found (benchmarks/README.md, same section).
+a fixed order. The EXL2 GEMV and the int8 tensor-core GEMM (triton_int_i8.py) launch it; the
+GGUF int8 kernels and fp8.py keep stored partials (not measured with it).
 
 Stream-K (`stream`, `stream_contributors`): a launch of exactly P programs, as many as the GPU
 holds at once, cuts the tiles' K steps laid end to end (tile-major) into P equal runs, so a
@@ -179,6 +178,10 @@ if triton is not None:
             fence(ASM)
             if ATOMIC:
                 total = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+                # every value read before any is zeroed: the compiler may give the load and the
+                # store different layouts, so another thread may zero what this one reads (the
+                # int8 GEMM's wgmma accumulator did: outputs read as zero now and then)
+                tl.debug_barrier()
                 tl.store(part_ptr + at, tl.zeros_like(acc), mask=mask)  # zero again for the next launch
             else:
                 # UNROLL slices' loads in flight at once: one at a time, narrow layers split 32-64
@@ -195,15 +198,15 @@ if triton is not None:
 
     @triton.jit
     def store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M, N, stride_om, tile, slice_id,
-                   slices, SPLIT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                   slices, SPLIT: tl.constexpr, ASM: tl.constexpr, ATOMIC: tl.constexpr = False):  # fmt: skip
         """A program's float32 out^T tile `acc` [rows, tokens ms] into out [M, N] (its dtype): at
-        once, or with SPLIT through `sum_slices` (partials in one [M, N] plane per slice) by the
-        program that finishes tile `tile` last."""
+        once, or with SPLIT through `sum_slices` (partials in one [M, N] plane per slice, or with
+        ATOMIC added into one) by the program that finishes tile `tile` last."""
         mask = row_ok[:, None] & m_ok[None, :]
         o = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
         if SPLIT:
             last, total = sum_slices(acc, part_ptr, count_ptr, tile, ms[None, :] * N + rows[:, None], mask, slice_id,
-                                     slices, M * N, ASM)  # fmt: skip
+                                     slices, M * N, ASM, ATOMIC)  # fmt: skip
             if last:
                 tl.store(o, total.to(out_ptr.dtype.element_ty), mask=mask)
         else:

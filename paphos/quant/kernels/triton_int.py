@@ -658,6 +658,12 @@ def dequant_matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSp
     return out
 
 
+def reserve(spec: IntSpec, device: torch.device) -> None:
+    """At load (before CUDA-graph capture): the zeroed plane the int8 GEMM's split launches add
+    their partials into, for its largest token count."""
+    split_k.reserve_zeros(device, I8_MAX_TOKENS[spec.bits] * spec.out_features)
+
+
 def matmul(x: torch.Tensor, planes: dict[str, torch.Tensor], spec: IntSpec) -> torch.Tensor:
     """x [M, K] bf16 / fp16 (contiguous) -> [M, N] in x's dtype: the integer-dot GEMV up to
     GEMV_MAX_TOKENS, the fused kernel up to FUSED_MAX_TOKENS, dequantize + cuBLAS above (module

@@ -133,11 +133,11 @@ if triton is not None:
         q_ptr, dx_ptr, sum_ptr, out_ptr, part_ptr, count_ptr, w_ptr, s_ptr, z_ptr, M, N, K, stride_w,
         stride_om, group_shift, iters_per_split,
         BITS: tl.constexpr, HAS_Z: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
-        ASM: tl.constexpr, PDL: tl.constexpr, TT: tl.constexpr,
+        ATOMIC: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, TT: tl.constexpr,
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, blocks it0 .. it1 of K per
         program along grid axis 1 (SPLIT: several slices, the last program of a tile to finish
-        sums the float32 partials, split_k.py). w_ptr: the qweight plane as bytes (uint8 for
+        sums the float32 partials, which ATOMIC adds into one zeroed plane: split_k.py). w_ptr: the qweight plane as bytes (uint8 for
         4-bit codes, int8 for 8-bit), stride_w bytes per row; x's parts from `quantize_x`."""
         pdl.release(PDL)
         pdl.wait(PDL)
@@ -179,7 +179,7 @@ if triton is not None:
             scale, zero, dx, xsum = scale_n, zero_n, dx_n, xsum_n
         split_k.store_tile(acc, out_ptr, part_ptr, count_ptr, rows, row_ok, ms, m_ok, M,
                            N, stride_om, pid_m * tl.num_programs(0) + pid_n, pid_k, tl.num_programs(1), SPLIT,
-                           ASM)  # fmt: skip
+                           ASM, ATOMIC)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- launches
@@ -235,14 +235,15 @@ def matmul(
     cfg = cfg or i8_config(spec, m)
     parts, dx, sums = quantize_x(x, spec.bits, planes.get("perm"))
     tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, x.device)
+    cut = split_k.slices(k // XB, cfg.split_k, tiles[0] * tiles[1], m, n, x.device, atomic=True)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     w = planes["qweight"].view(torch.uint8 if spec.bits == 4 else torch.int8)
     scales = planes["scales"]
     _gemm_kernel[(tiles[0], cut.count, tiles[1])](
         parts, dx, sums, out, cut.partials, cut.counters, w, scales, planes.get("zeros", scales), m, n, k,
         w.stride(0), out.stride(0), spec.group_shift, cut.per,
-        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ASM=x.is_cuda,
+        BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ATOMIC=cut.atomic,
+        ASM=x.is_cuda,
         TT=spec.row_tile, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
     )  # fmt: skip
     return out
