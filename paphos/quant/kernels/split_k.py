@@ -9,10 +9,11 @@ An atomic launch (`slices(atomic=True)`, ATOMIC in `sum_slices`) adds each parti
 float32 plane instead (vector atomic adds), which the last program reads once and sets back to
 zero: one round trip where summing 32-64 stored partials took several, 1.1-1.9 us of the EXL2
 GEMV's 10.9-21.0 us on the narrow layers of an H100, and 77.7 -> 75.2 us for the int8 GEMM's
-Llama-3-8B layer at 16 tokens (benchmarks/README.md, "EXL2: split-K sums by atomic adds"). The order of the adds varies from run to run, so the sum may differ in its last
-float32 bit (as the GGUF fused kernel's split-K adds, triton_gguf.py); the stored partials sum in
-a fixed order. The EXL2 GEMV and the int8 tensor-core GEMM (triton_int_i8.py) launch it; the
-GGUF int8 kernels and fp8.py keep stored partials (not measured with it).
+Llama-3-8B layer at 16 tokens (benchmarks/README.md, "EXL2: split-K sums by atomic adds"). The
+order of the adds varies from run to run, so the sum may differ in its last float32 bit (as the
+GGUF fused kernel's split-K adds, triton_gguf.py); the stored partials sum in a fixed order. The
+EXL2 GEMV and the int8 tensor-core GEMM (triton_int_i8.py) launch it; the GGUF int8 kernels and
+fp8.py keep stored partials (not measured with it).
 
 Stream-K (`stream`, `stream_contributors`): a launch of exactly P programs, as many as the GPU
 holds at once, cuts the tiles' K steps laid end to end (tile-major) into P equal runs, so a

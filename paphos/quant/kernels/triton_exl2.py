@@ -38,10 +38,9 @@ o 10.9 -> 9.5, down 21.0 -> 19.1, gate|up 30.5 -> 30.0). Engine, H100: 334.3 tok
 against bf16's 161.6 (2.07x; 318.0 with stored partials, 274.5 before the loads ahead), 1485 at
 16 tokens (1262). The narrow layers still run at a third of copy bandwidth: each is a chain of
 dependent latencies (the quantizing launch, x, one or two runs, the split-K sum) more than a
-stream of bytes. Moving
-the quantization into the GEMV's programs (each gathering and quantizing its own slice of x) was
-slower: 320.7 -> 314.8 tok/s at batch 1 and 1290 -> 825 at 16 on an H100 (benchmarks/README.md,
-"EXL2: x quantized inside the GEMV").
+stream of bytes. Moving the quantization into the GEMV's programs (each gathering and quantizing
+its own slice of x) was slower: 320.7 -> 314.8 tok/s at batch 1 and 1290 -> 825 at 16 on an H100
+(benchmarks/README.md, "EXL2: x quantized inside the GEMV").
 """
 
 from __future__ import annotations
@@ -297,11 +296,11 @@ if triton is not None:
         of runs_per_split runs (grid axis 1; SPLIT: more than one slice, the last program of a
         tile to finish sums the float32 partials, which ATOMIC adds into one zeroed plane). Per
         run: its bit width picks the unpacking (a uniform branch), its group the scales; x comes
-        quantized per run, in stored order (`_quantize_kernel`). The first run's loads are issued before `pdl.wait`; AHEAD: each
-        next run's while the current one is multiplied (a program's few runs were a chain of
-        dependent latencies: the run's table, then its words), else after it (where the second
-        set of words costs residency: several tokens' accumulators, or the mid-width layers'
-        grids of 16 programs per SM; `gemv_launch`)."""
+        quantized per run, in stored order (`_quantize_kernel`). The first run's loads are issued
+        before `pdl.wait`; AHEAD: each next run's while the current one is multiplied (a
+        program's few runs were a chain of dependent latencies: the run's table, then its
+        words), else after it (where the second set of words costs residency: several tokens'
+        accumulators, or the mid-width layers' grids of 16 programs per SM; `gemv_launch`)."""
         pdl.release(PDL)
         tile = tl.program_id(0)
         pid_k = tl.program_id(1)
