@@ -54,11 +54,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index ("cuda" -> "cuda:<current>"), so that a reservation and a launch
+    that name one GPU differently share its buffers."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def counters(device: torch.device, stream: str = "step") -> torch.Tensor:
     """The tile counters of `device` for the split launches of one stream (they run one after
     another there, and each leaves its counters at zero); kernels on another stream, which may run
     at the same time, name it (`stream`) and get counters of their own. Made on first use, which
     the engine's eager warm-up runs before graph capture."""
+    device = _indexed(device)
     buf = _COUNTERS.get((device, stream))
     if buf is None:
         _COUNTERS[(device, stream)] = buf = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
@@ -70,6 +79,7 @@ def zeros(device: torch.device, elems: int, stream: str = "step") -> torch.Tenso
     partials into and leave at zero (`counters` says why per stream). It grows only outside CUDA
     graph capture (a buffer made during capture would live in the graph's pool): the layers
     reserve it at load (`reserve_zeros`)."""
+    device = _indexed(device)
     buf = _ZEROS.get((device, stream))
     if buf is None or buf.numel() < elems:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
