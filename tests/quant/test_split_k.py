@@ -50,3 +50,15 @@ def test_stream_k_runs_two_steps_a_program_at_least() -> None:
 def test_stream_k_refuses_runs_past_int32() -> None:
     with pytest.raises(ValueError, match="too large"):
         split_k.stream(tiles=1 << 15, steps=64, programs=1 << 10, m=1, n=1, device=CPU)
+
+
+def test_one_gpu_has_one_plane_however_it_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plane reserved at load on "cuda:0" is the one a launch on "cuda" gets (the current GPU):
+    a second key would allocate during CUDA-graph capture, which raises."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    reserved = torch.zeros(64)  # stands in for the GPU buffer: nothing is allocated when it is found
+    monkeypatch.setattr(split_k, "_ZEROS", {(torch.device("cuda", 0), "step"): reserved})
+    assert split_k.zeros(torch.device("cuda"), 48) is reserved
+    with pytest.raises(RuntimeError, match="not reserved"):  # more than reserved: capture would grow it
+        split_k.zeros(torch.device("cuda"), 65)
