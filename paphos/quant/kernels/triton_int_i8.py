@@ -137,8 +137,9 @@ if triton is not None:
     ):  # fmt: skip
         """out [M, N] = x W^T for BN rows and BM tokens per program, blocks it0 .. it1 of K per
         program along grid axis 1 (SPLIT: several slices, the last program of a tile to finish
-        sums the float32 partials, which ATOMIC adds into one zeroed plane: split_k.py). w_ptr: the qweight plane as bytes (uint8 for
-        4-bit codes, int8 for 8-bit), stride_w bytes per row; x's parts from `quantize_x`."""
+        sums the float32 partials, which ATOMIC adds into one zeroed plane: split_k.py). w_ptr:
+        the qweight plane as bytes (uint8 for 4-bit codes, int8 for 8-bit), stride_w bytes per
+        row; x's parts from `quantize_x`."""
         pdl.release(PDL)
         pdl.wait(PDL)
         pid_n = tl.program_id(0)
@@ -243,7 +244,6 @@ def matmul(
         parts, dx, sums, out, cut.partials, cut.counters, w, scales, planes.get("zeros", scales), m, n, k,
         w.stride(0), out.stride(0), spec.group_shift, cut.per,
         BITS=spec.bits, HAS_Z=spec.has_zeros, BN=cfg.block_n, BM=cfg.block_m, SPLIT=cut.split, ATOMIC=cut.atomic,
-        ASM=x.is_cuda,
-        TT=spec.row_tile, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
+        ASM=x.is_cuda, TT=spec.row_tile, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x),
     )  # fmt: skip
     return out
