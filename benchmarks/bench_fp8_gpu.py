@@ -9,7 +9,9 @@ Sections (each one's failure is recorded and the rest go on; the JSON is rewritt
   env        torch / triton / GPU, and which output dtypes row-wise `_scaled_mm` takes here
   ceilings   copy bandwidth (bytes read + written per second), the denominator of "frac BW"
   quantize   the Triton activation kernel bit for bit against the torch reference (dynamic and
-             static, bf16 / fp16 / fp32 inputs, one-block, masked and two-pass rows)
+             static, bf16 / fp16 / fp32 inputs, one-block, masked and two-pass rows), rounding
+             in the store's conversion (the GPU default) and with `to_e4m3` (the interpreter's)
+  quantize_sweep  that kernel timed per token at K 4096 / 14336 and M in --ms, both roundings
   linear     fp8_linear against reference_fp8_linear at M = 1, 5, 16 (Triton) and 300
              (_scaled_mm): dynamic, static, bias, fp16 / fp32 output, fast accumulation, 3-D
              input; max |error| / max |reference|; CUDA-graph capture and replay;
@@ -367,13 +369,39 @@ def section_quantize(results: dict[str, Any], args: argparse.Namespace) -> dict[
                 x = x_like(m, k, k + m, dtype) * 3
                 x[0, :4] = torch.tensor([0.0, -0.0, 1e-30, 448.0], device=DEV).to(dtype)
                 for scale in (None, torch.tensor([0.004], device=DEV)):
-                    q, s = k8.triton_quantize(x, scale)
                     want_q, want_s = k8.reference_quantize(x, scale)
-                    cases += 1
-                    bad = int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum())
-                    if bad or not torch.equal(s, want_s):
-                        mismatches[f"K{k} M{m} {dtype} {'static' if scale is not None else 'dynamic'}"] = bad
+                    for hw_round in (True, False):
+                        q, s = k8.triton_quantize(x, scale, hw_round)
+                        cases += 1
+                        bad = int((q.view(torch.uint8) != want_q.view(torch.uint8)).sum())
+                        if bad or not torch.equal(s, want_s):
+                            kind = "static" if scale is not None else "dynamic"
+                            mismatches[f"K{k} M{m} {dtype} {kind} hw_round={hw_round}"] = bad
     return {"cases": cases, "mismatches": mismatches, "pass": not mismatches}
+
+
+def section_quantize_sweep(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """`triton_quantize` per token at K = 4096 and 14336 and M in --ms, the rounding to e4m3 in the
+    store's conversion (hw) against `to_e4m3` before it (sw): us per call (CUDA-graph replays
+    over copies of x that do not fit L2), the fraction of copy bandwidth that x read + codes
+    written make, and whether the codes equal the reference's."""
+    rows = []
+    copy_bw = results.get("copy_bw", 4.3e12)
+    for k in (4096, 14336):
+        for m in args.ms:
+            xs = [x_like(m, k, m + i) for i in range(max(1, math.ceil(3 * L2_BYTES / (2 * m * k))))]
+            want_q = k8.reference_quantize(xs[0])[0].view(torch.uint8)
+            row: dict[str, Any] = {"K": k, "M": m}
+            for name, hw in (("sw", False), ("hw", True)):
+                row[f"{name}_equal"] = torch.equal(k8.triton_quantize(xs[0], None, hw)[0].view(torch.uint8), want_q)
+                us = graph_time([lambda x=x, hw=hw: k8.triton_quantize(x, None, hw) for x in xs]) * 1e6
+                row[f"{name}_us"] = us
+                row[f"{name}_frac_bw"] = 3 * m * k / (us * 1e-6) / copy_bw
+            print(f"quantize K {k:5d} M {m:5d}: sw {row['sw_us']:8.2f} us ({row['sw_frac_bw']:.2f} of copy BW), "
+                  f"hw {row['hw_us']:8.2f} us ({row['hw_frac_bw']:.2f}), equal {row['sw_equal']} / {row['hw_equal']}",
+                  flush=True)  # fmt: skip
+            rows.append(row)
+    return {"rows": rows, "pass": all(r["sw_equal"] and r["hw_equal"] for r in rows)}
 
 
 def section_linear(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -639,6 +667,7 @@ def section_kernels(results: dict[str, Any], args: argparse.Namespace) -> dict[s
 
 
 SECTIONS = {"env": section_env, "ceilings": section_ceilings, "quantize": section_quantize,
+            "quantize_sweep": section_quantize_sweep,
             "linear": section_linear, "small": section_small, "sweep": section_sweep,
             "blocks": section_blocks, "blocks_sweep": section_blocks_sweep, "kernels": section_kernels}  # fmt: skip
 
@@ -669,7 +698,7 @@ def main() -> None:
         if name == "kernels" and "error" not in results[name]:
             for kname, rec in results[name].items():
                 print(kname, json.dumps(rec, default=str), flush=True)
-        elif name not in ("sweep", "blocks", "blocks_sweep"):
+        elif name not in ("sweep", "blocks", "blocks_sweep", "quantize_sweep"):
             print(name, json.dumps(results[name], indent=1, default=str), flush=True)
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
         results["seconds"] = round(time.perf_counter() - start, 1)

@@ -793,15 +793,15 @@ def test_fp8_kernels_compile_for_sm90(triton_path: Path | None) -> None:
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.split() == ["split:ok", "whole:ok", "blocks:ok", "gemv:ok", "gemv_blocks:ok", "groups:ok"], (
+    assert done.stdout.split() == ["split:ok", "whole:ok", "blocks:ok", "gemv:ok", "gemv_blocks:ok", "groups:ok", "rows:ok"], (
         done.stdout
     )
 
 
 def compile_kernels() -> None:
     """In a child process without the interpreter: compile `_small_m_kernel` (per-channel and
-    block-wise scales), `_gemv_kernel`, `_gemv_blocks_kernel` and `_quantize_groups_kernel` for
-    sm_90."""
+    block-wise scales), `_gemv_kernel`, `_gemv_blocks_kernel`, `_quantize_groups_kernel` and
+    `_quantize_rows_kernel` for sm_90."""
     from paphos.quant.kernels import fp8 as k8
     from tests.device_triton import compile_sm90
 
@@ -842,3 +842,12 @@ def compile_kernels() -> None:
     ptx = compile_sm90(fp8_blocks._quantize_groups_kernel, args, constexprs, 4, ints)
     assert "STACK:0 " in ptx, ptx[-300:]
     print("groups:ok", flush=True)
+    # per-token rows as prefill launches them: one program a whole row of 4096 values, rounded by
+    # the store's conversion (to nearest even, saturating: the references' cast)
+    args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "static_scale_ptr": "*fp32", "K": "i32",
+            "stride_xm": "i32"}  # fmt: skip
+    constexprs = dict(BLOCK=4096, SLICE=4096, STATIC=False, SINGLE=True, QMAX=k8.FP8_MAX, SMIN=k8.MIN_SCALE,
+                      PDL=True, STATIC_STRIDE=0, HW_ROUND=True)  # fmt: skip
+    ptx = compile_sm90(k8._quantize_rows_kernel, args, constexprs, 8, dict(K=4096, stride_xm=4096))
+    assert "STACK:0 " in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx, ptx[-300:]
+    print("rows:ok", flush=True)

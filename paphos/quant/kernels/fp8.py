@@ -71,6 +71,7 @@ difference then (an engine run, beside the small-M kernel); timed alone it saves
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -185,16 +186,27 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def clamped_codes(x, s, QMAX: tl.constexpr, HW_ROUND: tl.constexpr):
+        """x / s (IEEE division) clamped to +-QMAX; rounded to e4m3 values here unless HW_ROUND
+        leaves the rounding to the cast that stores them."""
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX)
+        if not HW_ROUND:
+            v = to_e4m3(v)
+        return v
+
+    @triton.jit
     def _quantize_rows_kernel(
         x_ptr, q_ptr, s_ptr, static_scale_ptr, K, stride_xm,
         BLOCK: tl.constexpr, SLICE: tl.constexpr, STATIC: tl.constexpr, SINGLE: tl.constexpr,
         QMAX: tl.constexpr, SMIN: tl.constexpr, PDL: tl.constexpr, STATIC_STRIDE: tl.constexpr = 0,
+        HW_ROUND: tl.constexpr = False,
     ):  # fmt: skip
         """A row of x per program along grid axis 0: its scale (amax / 448, or the static one: one
         for all rows, or with STATIC_STRIDE 1 one per row) to s_ptr[row] and the fp8 codes to
         q_ptr[row, :]. SINGLE rows (K <= BLOCK) may be cut into slices of SLICE values, one per
         program along axis 1: each takes the amax of the whole row (a second read, from L2) and
-        divides and rounds its slice only."""
+        divides and rounds its slice only. HW_ROUND: the store's conversion rounds (the GPU's
+        round-to-nearest-even cvt), else `to_e4m3` does first (the interpreter)."""
         pdl.release(PDL)
         pdl.wait(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -213,7 +225,7 @@ if triton is not None:
                 else:
                     whole = x
                 s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(whole), axis=0), QMAX), SMIN)
-            q = to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
+            q = clamped_codes(x, s, QMAX, HW_ROUND)
             tl.store(q_row + so, q.to(q_ptr.dtype.element_ty), mask=so < K)
         else:
             if STATIC:
@@ -226,7 +238,7 @@ if triton is not None:
                 s = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), SMIN)
             for k0 in range(0, K, BLOCK):
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-                q = to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s), -QMAX), QMAX))
+                q = clamped_codes(x, s, QMAX, HW_ROUND)
                 tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
         if part == 0:
             tl.store(s_ptr + row, s)
@@ -357,8 +369,15 @@ if triton is not None:
         tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
 
 
+def hardware_rounding(x: torch.Tensor) -> bool:
+    """Whether the quantization kernels leave the rounding to fp8 to the conversion that stores
+    the codes: on a GPU, where it is the references' round-to-nearest-even (`cvt.rn.satfinite`),
+    not under the interpreter, whose conversion misrounds (`to_e4m3`)."""
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def triton_quantize(
-    x: torch.Tensor, input_scale: torch.Tensor | None = None
+    x: torch.Tensor, input_scale: torch.Tensor | None = None, hw_round: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel behind `quantize_per_token` / `quantize_per_tensor` (on CPU tensors too
     under TRITON_INTERPRET=1, as the CPU tests run it). x [M, K], unit stride on K. At decode
@@ -368,7 +387,12 @@ def triton_quantize(
     for bit the same codes; the rounding is the longest part, done by one multiprocessor per row
     before. In the engine (`-q fp8`, one H100, the same machine): batch 1 278.3 -> 291.5 tok/s,
     16 tokens 3638 -> 3766, 32 6905 -> 7060. Larger M keeps one program a row, each row read
-    once."""
+    once; there the store's conversion rounds the codes (`hw_round`, by default where a program
+    takes a whole row and `hardware_rounding(x)`): one H100, CUDA-graph replays, us at K = 4096
+    / 14336, `to_e4m3` then the conversion: 256 tokens 3.76 -> 3.44 / 9.62 -> 8.50, 2048 11.9 ->
+    9.5 / 54.0 -> 47.3, 8192 40.2 -> 36.0 (0.94 of copy bandwidth) / 191 -> 165; sliced decode
+    rows gained nothing (1.3-2.7 us either way) and keep `to_e4m3`. The codes are the same
+    (`bench_fp8_gpu.py --sections quantize,quantize_sweep`)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -383,7 +407,8 @@ def triton_quantize(
     _quantize_rows_kernel[(m, triton.cdiv(k, part) if single else 1)](
         x, q, scale, input_scale if static else scale, k, x.stride(0),
         BLOCK=block, SLICE=part, STATIC=static, SINGLE=single, QMAX=FP8_MAX, SMIN=MIN_SCALE,
-        STATIC_STRIDE=int(static and input_scale.numel() > 1), num_warps=min(16, max(1, block // 512)), **pdl.options(x),
+        STATIC_STRIDE=int(static and input_scale.numel() > 1), num_warps=min(16, max(1, block // 512)),
+        HW_ROUND=(part == block and hardware_rounding(x)) if hw_round is None else hw_round, **pdl.options(x),
     )  # fmt: skip
     return q, scale
 

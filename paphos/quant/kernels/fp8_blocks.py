@@ -55,7 +55,7 @@ if triton is not None:
         ok = (kk < K) & (runs < n_groups)[:, None]
         x = tl.load(x_ptr + row * stride_xm + kk, mask=ok, other=0.0).to(tl.float32)
         s = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), QMAX), SMIN)
-        q = fp8.to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -QMAX), QMAX))
+        q = fp8.clamped_codes(x, s[:, None], QMAX, False)
         tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=ok)
         tl.store(s_ptr + row * stride_sm + runs * stride_sg, s, mask=runs < n_groups)
 
