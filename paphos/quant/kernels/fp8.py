@@ -369,7 +369,7 @@ if triton is not None:
         tl.store(out_ptr + row, y.to(out_ptr.dtype.element_ty), mask=row < N)
 
 
-def hardware_rounding(x: torch.Tensor) -> bool:
+def _hardware_rounding(x: torch.Tensor) -> bool:
     """Whether the quantization kernels leave the rounding to fp8 to the conversion that stores
     the codes: on a GPU, where it is the references' round-to-nearest-even (`cvt.rn.satfinite`),
     not under the interpreter, whose conversion misrounds (`to_e4m3`)."""
@@ -388,7 +388,7 @@ def triton_quantize(
     before. In the engine (`-q fp8`, one H100, the same machine): batch 1 278.3 -> 291.5 tok/s,
     16 tokens 3638 -> 3766, 32 6905 -> 7060. Larger M keeps one program a row, each row read
     once; there the store's conversion rounds the codes (`hw_round`, by default where a program
-    takes a whole row and `hardware_rounding(x)`): one H100, CUDA-graph replays, us at K = 4096
+    takes a whole row and `_hardware_rounding(x)`): one H100, CUDA-graph replays, us at K = 4096
     / 14336, `to_e4m3` then the conversion: 256 tokens 3.76 -> 3.44 / 9.62 -> 8.50, 2048 11.9 ->
     9.5 / 54.0 -> 47.3, 8192 40.2 -> 36.0 (0.94 of copy bandwidth) / 191 -> 165; sliced decode
     rows gained nothing (1.3-2.7 us either way) and keep `to_e4m3`. The codes are the same
@@ -408,7 +408,7 @@ def triton_quantize(
         x, q, scale, input_scale if static else scale, k, x.stride(0),
         BLOCK=block, SLICE=part, STATIC=static, SINGLE=single, QMAX=FP8_MAX, SMIN=MIN_SCALE,
         STATIC_STRIDE=int(static and input_scale.numel() > 1), num_warps=min(16, max(1, block // 512)),
-        HW_ROUND=(part == block and hardware_rounding(x)) if hw_round is None else hw_round, **pdl.options(x),
+        HW_ROUND=(part == block and _hardware_rounding(x)) if hw_round is None else hw_round, **pdl.options(x),
     )  # fmt: skip
     return q, scale
 
