@@ -9,11 +9,14 @@ and stores inside loops: cuobjdump of the cubin) and the shared memory.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # runs from a checkout, installed or not
@@ -101,25 +104,34 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
     return int(found.group(1)), int(found.group(2)), in_loops
 
 
+_specs: list[tuple[str, object, dict[str, str], dict[str, object], int]] = []
+
+
+def _compile(index: int, arch: int) -> str:
+    """The report line of one kernel of `_specs` (a pool worker's job)."""
+    name, fn, signature, constexprs, warps = _specs[index]
+    start = time.perf_counter()
+    try:
+        sig = {**signature, **{c: "constexpr" for c in constexprs}}
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    except Exception as exc:  # report every kernel, then fail
+        return f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    registers, stack, loop_spills = _resource_usage(compiled.asm["cubin"])
+    return (f"ok   {name:<28} registers {registers:>3}  spill stack {stack:>4} B  spill accesses in loops "
+            f"{loop_spills:>3}  shared {compiled.metadata.shared:>6} B  {time.perf_counter() - start:5.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
-    target = GPUTarget("cuda", args.arch, 32)
-    failed = 0
-    for name, fn, signature, constexprs, warps in specs():
-        start = time.perf_counter()
-        try:
-            sig = {**signature, **{c: "constexpr" for c in constexprs}}
-            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target,
-                                      options={"num_warps": warps})
-        except Exception as exc:  # report every kernel, then fail
-            failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            continue
-        registers, stack, loop_spills = _resource_usage(compiled.asm["cubin"])
-        print(f"ok   {name:<28} registers {registers:>3}  spill stack {stack:>4} B  spill accesses in loops "
-              f"{loop_spills:>3}  shared {compiled.metadata.shared:>6} B  {time.perf_counter() - start:5.1f} s")
+    _specs.extend(specs())
+    # One compile per core (each is single-threaded); forked, so the kernels need no pickling.
+    with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("fork")) as pool:
+        lines = list(pool.map(_compile, range(len(_specs)), [args.arch] * len(_specs)))
+    print("\n".join(lines), flush=True)
+    failed = sum(line.startswith("FAIL") for line in lines)
     if failed:
         sys.exit(f"{failed} kernel(s) failed to compile for sm_{args.arch}")
 

@@ -4,10 +4,12 @@ compile itself, which those tests' child processes run (`compile_sm90`)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,9 +71,25 @@ def check_compiles_in_child(module: str, cases: Mapping[str, tuple], triton_path
     assert len(compiled) == len(cases) and all(line.endswith(":ok") for line in compiled), done.stdout
 
 
+_cases: Mapping[str, tuple[Callable[..., None], ...]] = {}
+
+
+def _run_case(name: str) -> None:
+    fn, *args = _cases[name]
+    fn(*args)
+
+
 def run_compiles(cases: Mapping[str, tuple[Callable[..., None], ...]]) -> None:
-    """The child side of `check_compiles_in_child`: each case's compile, then `<name>:ok`."""
+    """The child side of `check_compiles_in_child`: each case's compile, then `<name>:ok` in the
+    cases' order; a failing case raises here, with its traceback. The compiles run in a process
+    pool, one worker per core: each is single-threaded, and these tests were CI's longest part.
+    Forked, so the workers see the cases (kernels need no pickling) and the triton imported."""
+    global _cases
     sys.path.insert(0, str(ROOT))
-    for name, (fn, *args) in cases.items():
-        fn(*args)
-        print(f"{name}:ok", flush=True)
+    _cases = cases
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=fork) as pool:
+        futures = {name: pool.submit(_run_case, name) for name in cases}
+        for name, future in futures.items():
+            future.result()
+            print(f"{name}:ok", flush=True)
