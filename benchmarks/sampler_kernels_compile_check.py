@@ -129,9 +129,10 @@ def main() -> None:
     _specs.extend(specs())
     # One compile per core (each is single-threaded); forked, so the kernels need no pickling.
     with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("fork")) as pool:
-        lines = list(pool.map(_compile, range(len(_specs)), [args.arch] * len(_specs)))
-    print("\n".join(lines), flush=True)
-    failed = sum(line.startswith("FAIL") for line in lines)
+        failed = 0
+        for line in pool.map(_compile, range(len(_specs)), [args.arch] * len(_specs)):
+            print(line, flush=True)  # as each finishes, in the specs' order
+            failed += line.startswith("FAIL")
     if failed:
         sys.exit(f"{failed} kernel(s) failed to compile for sm_{args.arch}")
 
